@@ -8,7 +8,13 @@ run the real Triton kernels through it.
 
 from __future__ import annotations
 
-from . import geometry
+from . import geometry, reference
+from .metadata import combine_topk_swa_indices, compute_global_topk_indices_and_lens
 
-__all__ = ["geometry"]
+__all__ = [
+    "combine_topk_swa_indices",
+    "compute_global_topk_indices_and_lens",
+    "geometry",
+    "reference",
+]
 __version__ = "0.1.0"

@@ -1,0 +1,178 @@
+"""Shared benchmark harness: check each provider, then time it, side by side.
+
+A benchmark *case* is one shape of one kernel.  It carries its providers (our
+kernel, the upstream launch design reimplemented, ...) and the number of bytes
+that must move at least (each input read once, each output written once).  The
+``floor`` provider is that byte count over the device-to-device copy bandwidth
+measured in the same run.
+
+For every provider the harness (1) poisons the outputs, (2) runs it once,
+(3) checks every output element against the reference, and only then (4)
+times it with ``triton.testing.do_bench`` (median and the 20th/80th
+percentiles, in microseconds).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import subprocess
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FLOOR = "floor"
+
+
+@dataclasses.dataclass
+class Provider:
+    """One implementation of a case's operation, bound to prepared inputs."""
+
+    name: str
+    run: Callable[[], object]
+    # Overwrites the outputs with a sentinel before the checked run.
+    poison: Callable[[], None]
+    # Raises AssertionError when the outputs of the last run are wrong.
+    check: Callable[[], None]
+
+
+@dataclasses.dataclass
+class BenchCase:
+    """One kernel at one shape, with its providers and bytes-moved floor."""
+
+    kernel: str
+    case: str
+    tokens: int
+    floor_bytes: int
+    providers: list[Provider]
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Result:
+    kernel: str
+    provider: str
+    case: str
+    tokens: int
+    p20_us: float
+    p50_us: float
+    p80_us: float
+    floor_us: float
+    floor_bytes: int
+    params: dict[str, Any]
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """GPU name and library versions recorded with every result."""
+    import triton
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    return {
+        "gpu": gpu or "cpu",
+        "device": device.type,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "git_sha": git_sha(),
+    }
+
+
+def _time_us(fn: Callable[[], object], device: torch.device, rep_ms: int) -> tuple[float, ...]:
+    if device.type == "cuda":
+        import triton.testing
+
+        q = triton.testing.do_bench(fn, warmup=25, rep=rep_ms, quantiles=[0.2, 0.5, 0.8])
+        return tuple(float(x) * 1e3 for x in q)
+    # CPU smoke: wall clock, a handful of repeats.
+    import time
+
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    return times[1], times[2], times[3]
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, rep_ms: int = 200) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written)."""
+    if device.type != "cuda":
+        nbytes = 64 << 20
+    src = torch.empty(nbytes // 4, dtype=torch.int32, device=device).random_()
+    dst = torch.empty_like(src)
+    _, p50, _ = _time_us(lambda: dst.copy_(src), device, rep_ms)
+    del src, dst
+    return 2 * nbytes / (p50 * 1e-6)
+
+
+def run_cases(
+    cases: Sequence[BenchCase],
+    device: torch.device,
+    bandwidth: float,
+    rep_ms: int = 100,
+    log: Callable[[str], None] = print,
+) -> list[Result]:
+    """Check, then time every provider of every case; add the floor provider."""
+    results: list[Result] = []
+    for case in cases:
+        floor_us = case.floor_bytes / bandwidth * 1e6
+        for prov in case.providers:
+            prov.poison()
+            prov.run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            try:
+                prov.check()
+            except AssertionError as exc:
+                raise AssertionError(
+                    f"{case.kernel}/{case.case}: provider {prov.name} gave wrong output: {exc}"
+                ) from exc
+            p20, p50, p80 = _time_us(prov.run, device, rep_ms)
+            results.append(
+                Result(case.kernel, prov.name, case.case, case.tokens, p20, p50, p80,
+                       floor_us, case.floor_bytes, case.params)
+            )
+            log(f"  {case.kernel:<40} {case.case:<22} {prov.name:<26} p50 {p50:9.2f} us")
+        results.append(
+            Result(case.kernel, FLOOR, case.case, case.tokens, floor_us, floor_us, floor_us,
+                   floor_us, case.floor_bytes, case.params)
+        )
+    return results
+
+
+def write_jsonl(results: Sequence[Result], env: dict[str, str], path: Path) -> None:
+    """One JSON object per (kernel, provider, case), with the environment."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in results:
+            row = dataclasses.asdict(r)
+            row.update(env)
+            f.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,188 @@
+"""Triton kernels for the sparse-attention metadata (launched from :mod:`.metadata`).
+
+Design (both kernels):
+
+* token-parallel: a program owns ``BLOCK_T`` tokens and one ``BLOCK_C``-wide
+  column tile of their rows, so one long request and many short ones give the
+  same amount of independent work;
+* every output element is written exactly once, in the same launch (no
+  separate ``-1`` fill);
+* row offsets are 64-bit; sizes, offsets, M, N and the row width are run-time
+  values excluded from specialisation, so they never compile a new kernel.
+  Only model geometry (window, compress ratio, page size, tile sizes) is
+  ``tl.constexpr``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Run-time arguments that must not be specialised on value (==1, %16) or on
+# pointer alignment: changing them must not compile a new kernel.
+COMBINE_RUNTIME_ARGS = [
+    "qsl_ptr",
+    "seq_lens_ptr",
+    "gather_lens_ptr",
+    "left_ptr",
+    "right_ptr",
+    "lens_ptr",
+    "num_tokens",
+    "num_reqs",
+    "topk",
+    "row_width",
+    "M",
+    "N",
+]
+
+
+@triton.jit(do_not_specialize=COMBINE_RUNTIME_ARGS)
+def _combine_topk_swa_indices_kernel(
+    # pointers
+    topk_ptr,  # [num_tokens, >= topk] int32 (unused when HAS_TOPK is False)
+    qsl_ptr,  # [num_reqs + 1] int32, not rebased
+    seq_lens_ptr,  # [num_reqs] int32
+    gather_lens_ptr,  # [num_reqs] int32
+    left_ptr,  # [num_tokens] int32 (HAS_IMAGES)
+    right_ptr,  # [num_tokens] int32 (HAS_IMAGES)
+    out_ptr,  # [num_tokens, row_width] int32
+    lens_ptr,  # [num_tokens] int32
+    # sizes and strides
+    topk_stride,
+    out_stride,
+    num_tokens,
+    num_reqs,
+    topk,
+    row_width,
+    M,
+    N,
+    # meta-parameters
+    WINDOW: tl.constexpr,
+    RATIO: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+    HAS_IMAGES: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = toks < num_tokens
+
+    # Request of each token: the number of request ends qsl[1..B] <= t + qsl[0].
+    # A vectorised count over a tile of requests, not a dependent binary
+    # search; zero-length requests fall out naturally.
+    qs0 = tl.load(qsl_ptr)
+    x = toks + qs0
+    req = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for r0 in range(0, num_reqs, BLOCK_R):
+        r = r0 + 1 + tl.arange(0, BLOCK_R)
+        ends = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=2147483647)
+        req += tl.sum((ends[None, :] <= x[:, None]).to(tl.int32), axis=1)
+    req = tl.minimum(req, num_reqs - 1)
+
+    q_start = tl.load(qsl_ptr + req, mask=tok_ok, other=0)
+    q_end = tl.load(qsl_ptr + req + 1, mask=tok_ok, other=0)
+    seq_len = tl.load(seq_lens_ptr + req, mask=tok_ok, other=0)
+    gather_len = tl.load(gather_lens_ptr + req, mask=tok_ok, other=0)
+
+    pos = seq_len - (q_end - q_start) + (x - q_start)
+    if RATIO > 0:
+        topk_len = tl.minimum(tl.maximum((pos + 1) // RATIO, 0), topk)
+    else:
+        topk_len = tl.zeros([BLOCK_T], dtype=tl.int32)
+    if HAS_IMAGES:
+        left = tl.load(left_ptr + toks, mask=tok_ok, other=0)
+        right = tl.load(right_ptr + toks, mask=tok_ok, other=0)
+        swa_start = tl.maximum(pos - (WINDOW - 1) - tl.maximum(left - (WINDOW - 1), 0), 0)
+        swa_len = tl.maximum(pos + right - swa_start + 1, 0)
+    else:
+        swa_start = tl.maximum(pos - (WINDOW - 1), 0)
+        swa_len = tl.maximum(tl.minimum(pos + 1, WINDOW), 0)
+    total = topk_len + swa_len
+    if pid_c == 0:
+        tl.store(lens_ptr + toks, total, mask=tok_ok)
+
+    base = req.to(tl.int64) * M
+    swa_first = base + N + (swa_start - (seq_len - gather_len))
+
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c = cols[None, :]
+    in_topk = c < topk_len[:, None]
+    rows64 = toks.to(tl.int64)[:, None]
+    if HAS_TOPK:
+        local = tl.load(
+            topk_ptr + rows64 * topk_stride + c, mask=in_topk & tok_ok[:, None], other=-1
+        )
+    else:
+        local = c + tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.int32)
+    top = tl.where((local >= 0) & (local < N), base[:, None] + local, -1)
+    swa = swa_first[:, None] + (c - topk_len[:, None])
+    value = tl.where(in_topk, top, tl.where(c < total[:, None], swa, -1))
+    tl.store(
+        out_ptr + rows64 * out_stride + c,
+        value.to(tl.int32),
+        mask=tok_ok[:, None] & (c < row_width),
+    )
+
+
+GLOBAL_RUNTIME_ARGS = [
+    "req_ptr",
+    "valid_ptr",
+    "block_table_ptr",
+    "lens_ptr",
+    "num_tokens",
+    "num_pages",
+    "block_table_stride",
+]
+
+
+@triton.jit(do_not_specialize=GLOBAL_RUNTIME_ARGS)
+def _global_topk_indices_kernel(
+    # pointers
+    topk_ptr,  # [num_tokens, K] int32, request-local compressed indices
+    req_ptr,  # [num_tokens] int32
+    valid_ptr,  # [num_tokens] bool / int
+    block_table_ptr,  # [num_reqs, num_pages] int32
+    out_ptr,  # [num_tokens, K] int32
+    lens_ptr,  # [num_tokens] int32
+    # sizes and strides
+    topk_stride,
+    out_stride,
+    block_table_stride,
+    num_tokens,
+    num_pages,
+    # meta-parameters
+    K: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    toks = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = toks < num_tokens
+    valid_tok = tl.load(valid_ptr + toks, mask=tok_ok, other=0) != 0
+    req = tl.load(req_ptr + toks, mask=tok_ok & valid_tok, other=0)
+    rows64 = toks.to(tl.int64)[:, None]
+    table_row = block_table_ptr + req.to(tl.int64)[:, None] * block_table_stride
+    count = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        c = k0 + tl.arange(0, BLOCK_K)[None, :]
+        col_ok = c < K
+        local = tl.load(
+            topk_ptr + rows64 * topk_stride + c,
+            mask=tok_ok[:, None] & valid_tok[:, None] & col_ok,
+            other=-1,
+        )
+        page = local // BLOCK_SIZE
+        live = (local >= 0) & (page < num_pages)
+        block = tl.load(table_row + page, mask=live, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + (local - page * BLOCK_SIZE)
+        tl.store(
+            out_ptr + rows64 * out_stride + c,
+            tl.where(live, slot, -1).to(tl.int32),
+            mask=tok_ok[:, None] & col_ok,
+        )
+        count += tl.sum(live.to(tl.int32), axis=1)
+    tl.store(lens_ptr + toks, count, mask=tok_ok)

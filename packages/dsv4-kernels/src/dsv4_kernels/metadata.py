@@ -1,0 +1,295 @@
+"""Sparse top-k metadata for DeepSeek-V4 attention: public, typed wrappers.
+
+Both functions are drop-in compatible with vLLM's functions of the same name.
+CUDA tensors run the Triton kernels in :mod:`._triton_metadata`; CPU tensors
+run :mod:`dsv4_kernels.reference` unless Triton's interpreter is on.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from . import _triton_metadata as _k
+from ._validation import (
+    INDEX_DTYPES,
+    check_length,
+    check_nonnegative_int,
+    check_out,
+    check_positive_int,
+    check_tensor,
+    use_triton,
+)
+from .geometry import SUPPORTED_COMPRESS_RATIOS, combined_width
+
+__all__ = ["combine_topk_swa_indices", "compute_global_topk_indices_and_lens"]
+
+# Tile sizes (compile-time constants, tuned on an H200; see docs/kernels.md).
+COMBINE_BLOCK_T = 8
+COMBINE_BLOCK_C = 128
+COMBINE_BLOCK_R = 128
+COMBINE_NUM_WARPS = 4
+GLOBAL_BLOCK_T = 4
+GLOBAL_BLOCK_K = 256
+GLOBAL_NUM_WARPS = 4
+
+
+def _combine_args(
+    topk_indices: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    gather_lens: torch.Tensor,
+    window_size: int,
+    compress_ratio: int,
+    topk: int,
+    M: int,
+    N: int,
+    out: torch.Tensor | None,
+    left_visible: torch.Tensor | None,
+    right_visible: torch.Tensor | None,
+    max_image_tokens: int,
+) -> tuple[int, int]:
+    """Validate on the host; return (num_tokens, row width). Never syncs the GPU."""
+    check_tensor("query_start_loc", query_start_loc, dtype=INDEX_DTYPES, ndim=1)
+    device = query_start_loc.device
+    check_tensor("seq_lens", seq_lens, dtype=INDEX_DTYPES, ndim=1, device=device)
+    check_tensor("gather_lens", gather_lens, dtype=INDEX_DTYPES, ndim=1, device=device)
+    num_reqs = seq_lens.shape[0]
+    check_length("query_start_loc", query_start_loc, num_reqs + 1, "len(seq_lens) + 1")
+    check_length("gather_lens", gather_lens, num_reqs, "one per request, like seq_lens")
+    check_positive_int("window_size", window_size)
+    if compress_ratio not in SUPPORTED_COMPRESS_RATIOS:
+        raise ValueError(
+            f"compress_ratio must be one of {SUPPORTED_COMPRESS_RATIOS} "
+            f"(SWA-only, C4A, C128A), got {compress_ratio}"
+        )
+    check_nonnegative_int("topk", topk)
+    check_nonnegative_int("M", M)
+    check_nonnegative_int("N", N)
+    check_nonnegative_int("max_image_tokens", max_image_tokens)
+    if compress_ratio == 1 and topk != 0:
+        raise ValueError(f"topk must be 0 for SWA-only layers (compress_ratio 1), got {topk}")
+
+    num_tokens: int | None = None
+    if topk_indices is not None:
+        check_tensor("topk_indices", topk_indices, dtype=INDEX_DTYPES, ndim=2, device=device)
+        if topk_indices.shape[1] < topk:
+            raise ValueError(
+                f"topk ({topk}) is wider than topk_indices "
+                f"({topk_indices.shape[1]} columns); expected topk <= topk_indices.shape[1]"
+            )
+        if topk > 0 and topk_indices.stride(1) != 1:
+            raise ValueError("topk_indices must be contiguous in its last dimension")
+        num_tokens = topk_indices.shape[0]
+    elif topk > 0 and compress_ratio != 128:
+        raise ValueError(
+            "topk_indices may be None only for C128A layers (compress_ratio 128) or topk 0, "
+            f"got compress_ratio {compress_ratio} with topk {topk}"
+        )
+    for name, t in (("left_visible", left_visible), ("right_visible", right_visible)):
+        if t is not None:
+            check_tensor(name, t, dtype=INDEX_DTYPES, ndim=1, device=device)
+            if num_tokens is None:
+                num_tokens = t.shape[0]
+            check_length(name, t, num_tokens, "one per query token")
+    if (left_visible is None) != (right_visible is None):
+        raise ValueError("left_visible and right_visible must be given together")
+    if out is not None:
+        check_tensor("out", out, dtype=torch.int32, ndim=2, device=device)
+        if num_tokens is None:
+            num_tokens = out.shape[0]
+    if num_tokens is None:
+        # Only C128A / SWA-only calls without topk_indices, out or image masks
+        # get here: the token count lives on the device.  This reads it back
+        # (a synchronisation); pass `out=` to avoid it.
+        num_tokens = int(query_start_loc[-1].item() - query_start_loc[0].item())
+    width = combined_width(topk, window_size, max_image_tokens)
+    check_out("out", out, (num_tokens, width), torch.int32, device)
+    return num_tokens, width
+
+
+def combine_topk_swa_indices(
+    topk_indices: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    gather_lens: torch.Tensor,
+    window_size: int,
+    compress_ratio: int,
+    topk: int,
+    M: int,
+    N: int,
+    out: torch.Tensor | None = None,
+    left_visible: torch.Tensor | None = None,
+    right_visible: torch.Tensor | None = None,
+    max_image_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Build each prefill query token's row of KV-workspace indices (top-k + sliding window).
+
+    The workspace holds, for request ``b``, rows ``[b*M, (b+1)*M)``: its
+    compressed entries first (``b*M + c``), then from row ``b*M + N`` its last
+    ``gather_lens[b]`` tokens.  For token ``t`` of request ``b`` at position
+    ``pos = seq_lens[b] - query_len_b + (t - qs_b)``:
+
+    * ``topk_len = clamp((pos + 1) // compress_ratio, 0, topk)``;
+    * ``swa_start = max(pos - (W-1), 0)``, ``swa_len = max(min(pos+1, W), 0)``;
+      with images ``swa_start = max(pos - (W-1) - max(left - (W-1), 0), 0)`` and
+      ``swa_len = max(pos + right - swa_start + 1, 0)``;
+    * columns ``j < topk_len`` hold ``b*M + topk_indices[t, j]`` (an entry
+      that is negative or ``>= N`` gives -1); the next ``swa_len`` columns hold
+      ``b*M + N + swa_start - (seq_lens[b] - gather_lens[b]) + (j - topk_len)``;
+      every other column is -1.
+
+    Args:
+        topk_indices: ``[num_tokens, K]`` int32, ``K >= topk``, request-local
+            compressed indices from the indexer.  ``None`` for C128A layers
+            (the top-k part is ``0..topk_len-1``) or ``topk == 0``.
+        query_start_loc: ``[num_reqs + 1]`` int32 cumulative query lengths;
+            may be a slice of a longer tensor (values are rebased by its first).
+        seq_lens: ``[num_reqs]`` int32 total tokens of each request.
+        gather_lens: ``[num_reqs]`` int32 tokens of each request gathered
+            into the window region of the workspace.
+        window_size: sliding window W (128 for DSV4).
+        compress_ratio: 1 (SWA-only), 4 (C4A) or 128 (C128A).
+        topk: top-k width (``index_topk`` for C4A, the active compressed width
+            for C128A, 0 for SWA-only).
+        M: workspace rows per request.  N: first window row within a request.
+        out: optional ``[num_tokens, Wc]`` int32 output, ``Wc = ceil((topk + W
+            + max_image_tokens) / 128) * 128``; with it nothing is allocated and
+            nothing synchronises, so the call can be captured in a CUDA graph.
+        left_visible, right_visible: optional ``[num_tokens]`` int32 image
+            bidirectional visibility (given together).
+        max_image_tokens: extra row width reserved for image windows.
+
+    Returns:
+        ``(combined [num_tokens, Wc] int32, lens [num_tokens] int32)`` with
+        ``lens[t] = topk_len + swa_len``.
+
+    Raises:
+        ValueError: naming the argument, for wrong dtypes, ranks, lengths,
+            devices, an ``out`` of the wrong shape, an unsupported ratio, a
+            ``topk`` wider than ``topk_indices`` or negative ``M``/``N``.
+    """
+    num_tokens, width = _combine_args(
+        topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
+        topk, M, N, out, left_visible, right_visible, max_image_tokens,
+    )  # fmt: skip
+    device = query_start_loc.device
+    if not use_triton(device):
+        from .reference import metadata as ref
+
+        return ref.combine_topk_swa_indices(
+            topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
+            topk, M, N, out=out, left_visible=left_visible, right_visible=right_visible,
+            max_image_tokens=max_image_tokens,
+        )  # fmt: skip
+    if out is None:
+        out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
+    lens = torch.empty((num_tokens,), dtype=torch.int32, device=device)
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0:
+        return out, lens
+    if num_reqs == 0:
+        raise ValueError("seq_lens must not be empty when there are query tokens")
+    has_topk = topk_indices is not None and topk > 0
+    has_images = left_visible is not None
+    grid = (triton.cdiv(num_tokens, COMBINE_BLOCK_T), triton.cdiv(width, COMBINE_BLOCK_C))
+    _k._combine_topk_swa_indices_kernel[grid](
+        topk_indices if has_topk else out,
+        query_start_loc,
+        seq_lens,
+        gather_lens,
+        left_visible if has_images else lens,
+        right_visible if has_images else lens,
+        out,
+        lens,
+        topk_indices.stride(0) if has_topk else 0,  # type: ignore[union-attr]
+        out.stride(0),
+        num_tokens,
+        num_reqs,
+        topk if compress_ratio > 1 else 0,
+        width,
+        M,
+        N,
+        WINDOW=window_size,
+        RATIO=compress_ratio if compress_ratio > 1 else 0,
+        HAS_TOPK=has_topk,
+        HAS_IMAGES=has_images,
+        BLOCK_T=COMBINE_BLOCK_T,
+        BLOCK_C=COMBINE_BLOCK_C,
+        BLOCK_R=COMBINE_BLOCK_R,
+        num_warps=COMBINE_NUM_WARPS,
+    )
+    return out, lens
+
+
+def compute_global_topk_indices_and_lens(
+    topk_indices: torch.Tensor,
+    token_to_req_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    is_valid_token: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Map request-local compressed indices to compressed-cache slots.
+
+    ``global[t, j] = block_table[req, l // block_size] * block_size + l % block_size``
+    for ``l = topk_indices[t, j] >= 0`` whose page is inside the block table,
+    else -1.  Rows of invalid (padding) tokens are all -1 with length 0.  The
+    block table is never read for negative entries, invalid tokens or pages
+    past its width.
+
+    Args:
+        topk_indices: ``[num_tokens, K]`` int32 request-local compressed indices.
+        token_to_req_indices: ``[num_tokens]`` int32 request row of each token.
+        block_table: ``[num_reqs, max_pages]`` int32 page ids (compressed cache).
+        block_size: entries per compressed-cache page (256 / compress_ratio).
+        is_valid_token: ``[num_tokens]`` bool (or int32, nonzero = valid).
+
+    Returns:
+        ``(global_indices [num_tokens, K] int32, lens [num_tokens] int32)``;
+        ``lens[t]`` counts the entries of row ``t`` that are not -1.
+    """
+    check_tensor("topk_indices", topk_indices, dtype=INDEX_DTYPES, ndim=2)
+    device = topk_indices.device
+    num_tokens, width = topk_indices.shape
+    check_tensor("token_to_req_indices", token_to_req_indices, dtype=INDEX_DTYPES, ndim=1,
+                 device=device)  # fmt: skip
+    check_length("token_to_req_indices", token_to_req_indices, num_tokens, "one per token")
+    check_tensor("block_table", block_table, dtype=INDEX_DTYPES, ndim=2, device=device)
+    check_positive_int("block_size", block_size)
+    check_tensor("is_valid_token", is_valid_token, dtype=(torch.bool, torch.int32), ndim=1,
+                 device=device)  # fmt: skip
+    check_length("is_valid_token", is_valid_token, num_tokens, "one per token")
+    if width > 0 and topk_indices.stride(1) != 1:
+        raise ValueError("topk_indices must be contiguous in its last dimension")
+    if block_table.shape[1] > 0 and block_table.stride(1) != 1:
+        raise ValueError("block_table must be contiguous in its last dimension")
+    if not use_triton(device):
+        from .reference import metadata as ref
+
+        return ref.compute_global_topk_indices_and_lens(
+            topk_indices, token_to_req_indices, block_table, block_size, is_valid_token
+        )
+    out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
+    lens = torch.empty((num_tokens,), dtype=torch.int32, device=device)
+    if num_tokens == 0:
+        return out, lens
+    grid = (triton.cdiv(num_tokens, GLOBAL_BLOCK_T),)
+    _k._global_topk_indices_kernel[grid](
+        topk_indices,
+        token_to_req_indices,
+        is_valid_token,
+        block_table,
+        out,
+        lens,
+        topk_indices.stride(0),
+        out.stride(0),
+        block_table.stride(0),
+        num_tokens,
+        block_table.shape[1],
+        K=width,
+        BLOCK_SIZE=block_size,
+        BLOCK_T=GLOBAL_BLOCK_T,
+        BLOCK_K=min(GLOBAL_BLOCK_K, max(16, triton.next_power_of_2(width))),
+        num_warps=GLOBAL_NUM_WARPS,
+    )
+    return out, lens

@@ -1,0 +1,10 @@
+"""Pure-torch references with the same signatures as the kernels.
+
+One reference per op, used by the CPU path, the tests and the benchmarks.
+"""
+
+from __future__ import annotations
+
+from .metadata import combine_topk_swa_indices, compute_global_topk_indices_and_lens
+
+__all__ = ["combine_topk_swa_indices", "compute_global_topk_indices_and_lens"]
