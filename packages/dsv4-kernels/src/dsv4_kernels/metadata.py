@@ -122,6 +122,8 @@ def combine_topk_swa_indices(
     left_visible: torch.Tensor | None = None,
     right_visible: torch.Tensor | None = None,
     max_image_tokens: int = 0,
+    *,
+    lens_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Build each prefill query token's row of KV-workspace indices (top-k + sliding window).
 
@@ -159,6 +161,9 @@ def combine_topk_swa_indices(
         left_visible, right_visible: optional ``[num_tokens]`` int32 image
             bidirectional visibility (given together).
         max_image_tokens: extra row width reserved for image windows.
+        lens_out: optional ``[num_tokens]`` int32 buffer for ``lens`` (an
+            extension of vLLM's signature); with ``out`` and ``lens_out`` the
+            call allocates nothing.
 
     Returns:
         ``(combined [num_tokens, Wc] int32, lens [num_tokens] int32)`` with
@@ -174,17 +179,18 @@ def combine_topk_swa_indices(
         topk, M, N, out, left_visible, right_visible, max_image_tokens,
     )  # fmt: skip
     device = query_start_loc.device
+    check_out("lens_out", lens_out, (num_tokens,), torch.int32, device)
     if not use_triton(device):
         from .reference import metadata as ref
 
         return ref.combine_topk_swa_indices(
             topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
             topk, M, N, out=out, left_visible=left_visible, right_visible=right_visible,
-            max_image_tokens=max_image_tokens,
+            max_image_tokens=max_image_tokens, lens_out=lens_out,
         )  # fmt: skip
     if out is None:
         out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
-    lens = torch.empty((num_tokens,), dtype=torch.int32, device=device)
+    lens = lens_out if lens_out is not None else torch.empty(num_tokens, dtype=torch.int32, device=device)
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0:
         return out, lens
@@ -228,6 +234,9 @@ def compute_global_topk_indices_and_lens(
     block_table: torch.Tensor,
     block_size: int,
     is_valid_token: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    lens_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Map request-local compressed indices to compressed-cache slots.
 
@@ -243,6 +252,9 @@ def compute_global_topk_indices_and_lens(
         block_table: ``[num_reqs, max_pages]`` int32 page ids (compressed cache).
         block_size: entries per compressed-cache page (256 / compress_ratio).
         is_valid_token: ``[num_tokens]`` bool (or int32, nonzero = valid).
+        out, lens_out: optional preallocated outputs (``[num_tokens, K]`` and
+            ``[num_tokens]`` int32; an extension of vLLM's signature): with
+            both, the call allocates nothing and can be captured in a graph.
 
     Returns:
         ``(global_indices [num_tokens, K] int32, lens [num_tokens] int32)``;
@@ -263,14 +275,18 @@ def compute_global_topk_indices_and_lens(
         raise ValueError("topk_indices must be contiguous in its last dimension")
     if block_table.shape[1] > 0 and block_table.stride(1) != 1:
         raise ValueError("block_table must be contiguous in its last dimension")
+    check_out("out", out, (num_tokens, width), torch.int32, device)
+    check_out("lens_out", lens_out, (num_tokens,), torch.int32, device)
     if not use_triton(device):
         from .reference import metadata as ref
 
         return ref.compute_global_topk_indices_and_lens(
-            topk_indices, token_to_req_indices, block_table, block_size, is_valid_token
-        )
-    out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
-    lens = torch.empty((num_tokens,), dtype=torch.int32, device=device)
+            topk_indices, token_to_req_indices, block_table, block_size, is_valid_token,
+            out=out, lens_out=lens_out,
+        )  # fmt: skip
+    if out is None:
+        out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
+    lens = lens_out if lens_out is not None else torch.empty(num_tokens, dtype=torch.int32, device=device)
     if num_tokens == 0:
         return out, lens
     grid = (triton.cdiv(num_tokens, GLOBAL_BLOCK_T),)

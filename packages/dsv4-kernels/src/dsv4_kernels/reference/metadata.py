@@ -37,6 +37,8 @@ def combine_topk_swa_indices(
     left_visible: torch.Tensor | None = None,
     right_visible: torch.Tensor | None = None,
     max_image_tokens: int = 0,
+    *,
+    lens_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`dsv4_kernels.combine_topk_swa_indices` (same contract)."""
     device = query_start_loc.device
@@ -51,8 +53,10 @@ def combine_topk_swa_indices(
         num_tokens = int(query_start_loc[-1].item() - query_start_loc[0].item())
     if out is None:
         out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
+    if lens_out is None:
+        lens_out = torch.empty((num_tokens,), dtype=torch.int32, device=device)
     if num_tokens == 0:
-        return out, torch.empty((0,), dtype=torch.int32, device=device)
+        return out, lens_out
 
     req, qsl, t = _token_requests(query_start_loc, num_tokens)
     seq = seq_lens.long()[req]
@@ -85,8 +89,8 @@ def combine_topk_swa_indices(
     value = torch.where(
         j < topk_len[:, None], top, torch.where(j < total[:, None], swa, torch.full_like(swa, -1))
     )
-    out.copy_(value.to(torch.int32))
-    return out, total.to(torch.int32)
+    out.copy_(value)
+    return out, lens_out.copy_(total)
 
 
 def compute_global_topk_indices_and_lens(
@@ -95,6 +99,9 @@ def compute_global_topk_indices_and_lens(
     block_table: torch.Tensor,
     block_size: int,
     is_valid_token: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    lens_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`dsv4_kernels.compute_global_topk_indices_and_lens`."""
     local = topk_indices.long()
@@ -111,5 +118,10 @@ def compute_global_topk_indices_and_lens(
     else:
         blocks = torch.zeros_like(local)
     slot = blocks * block_size + (local - page * block_size)
-    out = torch.where(live, slot, -1).to(torch.int32)
-    return out, live.sum(dim=1).to(torch.int32)
+    result = torch.where(live, slot, -1)
+    lens = live.sum(dim=1)
+    if out is None:
+        out = torch.empty(result.shape, dtype=torch.int32, device=result.device)
+    if lens_out is None:
+        lens_out = torch.empty(lens.shape, dtype=torch.int32, device=lens.device)
+    return out.copy_(result), lens_out.copy_(lens)
