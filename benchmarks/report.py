@@ -1,0 +1,147 @@
+"""Tables, plot and target summary for the kernel benchmark results."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+from .harness import FLOOR, Result
+
+OURS = "dsv4-kernels"
+
+
+def _geomean(xs: Sequence[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def _pivot(results: Sequence[Result]) -> dict[str, dict[str, dict[str, Result]]]:
+    """kernel -> case -> provider -> result, in first-seen order."""
+    table: dict[str, dict[str, dict[str, Result]]] = defaultdict(dict)
+    for r in results:
+        table[r.kernel].setdefault(r.case, {})[r.provider] = r
+    return table
+
+
+def write_table(results: Sequence[Result], env: dict[str, str], path: Path, command: str) -> str:
+    """Markdown: per kernel, p50 of every provider, our speed-ups and our distance to the floor."""
+    lines = [
+        f"GPU: {env['gpu']}; torch {env['torch']}; Triton {env['triton']}; git {env['git_sha']}; "
+        f"copy bandwidth {env.get('copy_bandwidth_gbps', '?')} GB/s; mode {env.get('mode')}",
+        "",
+        f"Command: `{command}`",
+        "",
+        "Times are medians in microseconds (GPU: triton.testing.do_bench; CPU smoke: wall clock);"
+        " p20 and p80 are in results.jsonl.",
+        "",
+    ]
+    for kernel, cases in _pivot(results).items():
+        providers = [p for p in next(iter(cases.values())) if p not in (OURS, FLOOR)]
+        head = ["case", "tokens", *providers]
+        seed_style = {"per-request-workers-128", "per-request-workers-256"} <= set(providers)
+        if seed_style:
+            head.append("256 vs 128")
+        head += [OURS, *(f"speed-up vs {p}" for p in providers), "floor", "ours / floor"]
+        lines += [f"### {kernel}", "", "| " + " | ".join(head) + " |",
+                  "|" + "---|" * len(head)]  # fmt: skip
+        for case, row in cases.items():
+            cells = [case, str(next(iter(row.values())).tokens)]
+            cells += [f"{row[p].p50_us:.2f}" for p in providers]
+            if seed_style:
+                a, b = row["per-request-workers-128"].p50_us, row["per-request-workers-256"].p50_us
+                cells.append(f"{(a - b) / a * 100:+.1f}% faster" if b <= a
+                             else f"{(b - a) / a * 100:.1f}% slower")  # fmt: skip
+            ours = row.get(OURS)
+            if ours is not None:
+                cells.append(f"**{ours.p50_us:.2f}**")
+                cells += [f"{row[p].p50_us / ours.p50_us:.2f}x" for p in providers]
+                floor = row[FLOOR].p50_us if FLOOR in row else float("nan")
+                cells += [f"{floor:.2f}", f"{ours.p50_us / floor:.2f}x" if floor > 0 else "-"]
+            else:
+                cells += ["-"] * (1 + len(providers) + 2)
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    text = "\n".join(lines)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    return text
+
+
+def write_plot(results: Sequence[Result], env: dict[str, str], path: Path) -> None:
+    """Grouped bars of p50 per case and provider, one panel per kernel (log scale)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return
+    pivot = _pivot([r for r in results if r.kernel != "empty_triton_launch"])
+    fig, axes = plt.subplots(len(pivot), 1, figsize=(12, 3.6 * len(pivot)), squeeze=False)
+    for ax, (kernel, cases) in zip(axes[:, 0], pivot.items(), strict=True):
+        providers = list(dict.fromkeys(p for row in cases.values() for p in row))
+        width = 0.8 / len(providers)
+        for i, prov in enumerate(providers):
+            xs = [j + i * width for j in range(len(cases))]
+            ys = [row[prov].p50_us if prov in row else 0 for row in cases.values()]
+            ax.bar(xs, ys, width, label=prov)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+        ax.set_xticklabels(list(cases), rotation=20, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        ax.set_ylabel("p50 (us)")
+        ax.set_title(kernel, fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{env['gpu']} ({env.get('mode')}), torch {env['torch']}, "
+                 f"Triton {env['triton']}, {env['git_sha']}", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _target(label: str, value: float, limit: float, higher_is_better: bool) -> str:
+    ok = value >= limit if higher_is_better else value <= limit
+    op = ">=" if higher_is_better else "<="
+    return f"  [{'MET ' if ok else 'MISS'}] {label}: {value:.2f} (target {op} {limit})"
+
+
+def summarise(results: Sequence[Result], smoke: bool) -> str:
+    """The issue targets, each with the number seen in this run."""
+    pivot = _pivot(results)
+    lines = ["Targets" + (" (CPU smoke: NOT meaningful, GPU only)" if smoke else "") + ":"]
+    combine = pivot.get("combine_topk_swa_indices", {})
+    if combine:
+        speedups = [row["per-request-workers-256"].p50_us / row[OURS].p50_us
+                    for row in combine.values()]  # fmt: skip
+        lines.append(_target("combine geomean speed-up vs per-request-workers-256",
+                             _geomean(speedups), 2.5, True))  # fmt: skip
+        for case in ("c4a-1x16384", "c4a-1x16384@131072"):
+            if case in combine:
+                row = combine[case]
+                lines.append(_target(f"combine {case} time / floor",
+                                     row[OURS].p50_us / row[FLOOR].p50_us, 1.18, False))  # fmt: skip
+        launch = pivot.get("empty_triton_launch", {}).get("launch", {}).get("triton")
+        if launch and "c4a-1x1024" in combine:
+            lines.append(_target("combine c4a-1x1024 time / empty Triton launch",
+                                 combine["c4a-1x1024"][OURS].p50_us / launch.p50_us, 1.5,
+                                 False))  # fmt: skip
+    for case, row in pivot.get("compute_global_topk_indices_and_lens", {}).items():
+        if row[OURS].tokens >= 16384:
+            lines.append(_target(f"global {case} time / floor",
+                                 row[OURS].p50_us / row[FLOOR].p50_us, 1.18, False))  # fmt: skip
+    cache_speedups = []
+    for kernel, cases in pivot.items():
+        if "k_cache" not in kernel:
+            continue
+        for case, row in cases.items():
+            if "per-request-workers-128" in row and OURS in row:
+                cache_speedups.append(row["per-request-workers-128"].p50_us / row[OURS].p50_us)
+            if OURS in row and row[OURS].tokens >= 16384 and row[FLOOR].p50_us > 0:
+                lines.append(_target(f"{kernel} {case} time / floor",
+                                     row[OURS].p50_us / row[FLOOR].p50_us, 1.25, False))  # fmt: skip
+    if cache_speedups:
+        lines.append(_target("k-cache geomean speed-up vs per-request-workers-128",
+                             _geomean(cache_speedups), 5.0, True))  # fmt: skip
+    return "\n".join(lines)

@@ -1,0 +1,168 @@
+"""GPU-only checks of the metadata kernels: benchmark sizes, CUDA graphs, compile counts, 64-bit
+addressing.  Run with ``python3 -m pytest -m gpu`` on a CUDA machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4_kernels as dk
+from dsv4_kernels import _triton_metadata as kernels
+from dsv4_kernels import reference as ref
+
+from .batches import fresh_seed, make_batch
+from .conftest import POISON
+
+pytestmark = pytest.mark.gpu
+
+
+def _compiled(kernel: object) -> int:
+    """Number of compiled variants of a Triton kernel (across devices)."""
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(entry[0]) for entry in caches.values())
+    return sum(len(c) for c in kernel.cache.values())  # type: ignore[attr-defined]
+
+
+def _bench_batches() -> list[tuple[str, dict]]:
+    import benchmarks.cases_metadata as cm
+
+    g = torch.Generator().manual_seed(fresh_seed())
+    return [(s.name, cm._combine_inputs(s, torch.device("cuda"), g)) for s in cm.COMBINE_MATRIX]
+
+
+@pytest.mark.parametrize("index", range(9))
+def test_combine_benchmark_sizes_match_reference(index: int, gpu: torch.device) -> None:
+    name, inp = _bench_batches()[index]
+    T = inp.pop("_T")
+    inp.pop("_topk_read")
+    args = list(inp.values())
+    want, want_lens = ref.combine_topk_swa_indices(*args)
+    out = torch.full_like(want, POISON)
+    lens = torch.full_like(want_lens, POISON)
+    dk.combine_topk_swa_indices(*args, out=out, lens_out=lens)
+    assert out.shape[0] == T
+    assert torch.equal(out, want), name
+    assert torch.equal(lens, want_lens), name
+
+
+@pytest.mark.parametrize("layer", ["c4a", "c128a", "swa", "images"])
+def test_combine_random_batches_on_gpu(layer: str, gpu: torch.device) -> None:
+    ratio, topk = {"c4a": (4, 512), "c128a": (128, 96), "swa": (1, 0), "images": (4, 512)}[layer]
+    g = torch.Generator().manual_seed(fresh_seed())
+    lens = torch.randint(0, 700, (37,), generator=g).tolist()
+    b = make_batch(fresh_seed(), query_lens=lens, ratio=ratio, topk=topk, context=(0, 9000),
+                   slice_offset=3, images=layer == "images", max_image_tokens=256,
+                   negative_positions=True)  # fmt: skip
+    b = b.to(gpu)
+    want = ref.combine_topk_swa_indices(*b.args(), **b.kwargs())
+    out = torch.full_like(want[0], POISON)
+    got = dk.combine_topk_swa_indices(*b.args(), out=out, **b.kwargs())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"seed {b.seed}"
+
+
+def test_combine_cuda_graph_capture_and_replay(gpu: torch.device) -> None:
+    b = make_batch(fresh_seed(), query_lens=[300, 0, 77, 512], ratio=4, topk=512,
+                   context=(0, 5000)).to(gpu)  # fmt: skip
+    width = 768
+    out = torch.full((b.num_tokens, width), POISON, dtype=torch.int32, device=gpu)
+    lens = torch.full((b.num_tokens,), POISON, dtype=torch.int32, device=gpu)
+    topk, seq = b.topk_indices.clone(), b.seq_lens.clone()  # type: ignore[union-attr]
+    args = (topk, b.query_start_loc, seq, b.gather_lens, 128, 4, 512, b.M, b.N)
+    dk.combine_topk_swa_indices(*args, out=out, lens_out=lens)  # warm-up compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dk.combine_topk_swa_indices(*args, out=out, lens_out=lens)
+    # New inputs in the captured buffers, poisoned outputs, replay.
+    topk.copy_(torch.randint_like(topk, -1, b.N))
+    seq.add_(torch.randint_like(seq, 0, 1000))
+    out.fill_(POISON)
+    lens.fill_(POISON)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = ref.combine_topk_swa_indices(*args)
+    assert torch.equal(out, want[0]) and torch.equal(lens, want[1])
+
+
+def test_global_cuda_graph_capture_and_replay(gpu: torch.device) -> None:
+    T, K = 999, 512
+    topk = torch.randint(-1, 32768, (T, K), dtype=torch.int32, device=gpu)
+    req = torch.randint(0, 4, (T,), dtype=torch.int32, device=gpu)
+    table = torch.randint(0, 10**6, (4, 512), dtype=torch.int32, device=gpu)
+    valid = torch.rand(T, device=gpu) > 0.1
+    out = torch.empty((T, K), dtype=torch.int32, device=gpu)
+    lens = torch.empty((T,), dtype=torch.int32, device=gpu)
+    args = (topk, req, table, 64, valid)
+    dk.compute_global_topk_indices_and_lens(*args, out=out, lens_out=lens)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dk.compute_global_topk_indices_and_lens(*args, out=out, lens_out=lens)
+    topk.copy_(torch.randint_like(topk, -1, 40000))
+    out.fill_(POISON)
+    lens.fill_(POISON)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = ref.compute_global_topk_indices_and_lens(*args)
+    assert torch.equal(out, want[0]) and torch.equal(lens, want[1])
+
+
+def test_no_recompilation_for_runtime_sizes(gpu: torch.device) -> None:
+    """Tokens, requests, M, N, offsets and the C128A width are run-time values."""
+    def run_all(seed: int, qlens: list[int], offset: int, c128a_topk: int) -> None:
+        for ratio, topk in ((4, 512), (128, c128a_topk), (1, 0)):
+            b = make_batch(seed, query_lens=qlens, ratio=ratio, topk=topk, context=(0, 3000),
+                           slice_offset=offset).to(gpu)  # fmt: skip
+            got = dk.combine_topk_swa_indices(*b.args())
+            want = ref.combine_topk_swa_indices(*b.args())
+            assert torch.equal(got[0], want[0])
+        T = sum(qlens)
+        topk = torch.randint(-1, 4096, (T, 512), dtype=torch.int32, device=gpu)
+        dk.compute_global_topk_indices_and_lens(
+            topk, torch.zeros(T, dtype=torch.int32, device=gpu),
+            torch.randint(0, 999, (1, 64 + offset), dtype=torch.int32, device=gpu), 64,
+            torch.ones(T, dtype=torch.bool, device=gpu))  # fmt: skip
+
+    run_all(fresh_seed(), [16, 32], 1, 16)  # compiles each variant once
+    before = (_compiled(kernels._combine_topk_swa_indices_kernel),
+              _compiled(kernels._global_topk_indices_kernel))  # fmt: skip
+    for qlens, offset, width in (([1], 2, 1), ([1000, 17, 0, 3], 5, 33),
+                                 ([4096], 1, 128), ([7, 9, 11, 13, 15], 8, 7)):  # fmt: skip
+        run_all(fresh_seed(), qlens, offset, width)
+    after = (_compiled(kernels._combine_topk_swa_indices_kernel),
+             _compiled(kernels._global_topk_indices_kernel))  # fmt: skip
+    assert after == before, f"new compilations: {before} -> {after}"
+
+
+def test_combine_64bit_row_offsets(gpu: torch.device) -> None:
+    """An output whose element offsets pass 2**31 (8.6 GB): the tail rows must be right."""
+    width = 128  # SWA-only rows
+    T = (2**31) // width + 4096
+    context = T + 1000
+    qsl = torch.tensor([5, 5 + T], dtype=torch.int32, device=gpu)
+    seq = torch.tensor([context], dtype=torch.int32, device=gpu)
+    gl = torch.tensor([T + 127], dtype=torch.int32, device=gpu)
+    out, lens = dk.combine_topk_swa_indices(None, qsl, seq, gl, 128, 1, 0, T + 127 + 8, 8,
+                                            out=torch.empty((T, width), dtype=torch.int32,
+                                                            device=gpu))  # fmt: skip
+    tail = 8192
+    small_qsl = torch.tensor([0, tail], dtype=torch.int32, device=gpu)
+    want, want_lens = ref.combine_topk_swa_indices(None, small_qsl, seq, gl, 128, 1, 0,
+                                                   T + 127 + 8, 8)  # fmt: skip
+    assert torch.equal(out[-tail:], want) and torch.equal(lens[-tail:], want_lens)
+    del out
+
+
+def test_global_64bit_row_offsets(gpu: torch.device) -> None:
+    K = 512
+    T = (2**31) // K + 2048
+    topk = torch.randint(-1, 32768, (T, K), dtype=torch.int32, device=gpu)
+    req = torch.zeros(T, dtype=torch.int32, device=gpu)
+    table = torch.randint(0, 10**6, (1, 512), dtype=torch.int32, device=gpu)
+    valid = torch.ones(T, dtype=torch.bool, device=gpu)
+    out, lens = dk.compute_global_topk_indices_and_lens(topk, req, table, 64, valid)
+    tail = 4096
+    want, want_lens = ref.compute_global_topk_indices_and_lens(
+        topk[-tail:], req[-tail:], table, 64, valid[-tail:])  # fmt: skip
+    assert torch.equal(out[-tail:], want) and torch.equal(lens[-tail:], want_lens)
