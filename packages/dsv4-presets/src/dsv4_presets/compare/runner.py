@@ -1,0 +1,850 @@
+"""Run a comparison campaign: one real vLLM server per run, in order, resumable.
+
+For every planned run the runner
+
+1. picks a free port and starts ``vllm serve`` as its own process group
+   (``start_new_session``), its output going to ``server.log``;
+2. waits for ``GET /health`` to answer 200 before a deadline, failing the run
+   when the deadline passes or the server exits first;
+3. sends warm-up completions, then runs ``vllm bench serve`` with an explicit
+   result file (``bench.json``, saved with ``--save-detailed``) under its own
+   deadline, watching the server meanwhile;
+4. stops the server by its PID: SIGTERM to its process group, SIGKILL after
+   the grace period, until no process of the group is left;
+5. waits for GPU memory to come back to what it was before the start
+   (``nvidia-smi``; where there is none, the step is skipped and recorded).
+
+Everything about the run (spec, commands, environment, versions, logs,
+vLLM's result and our ``result.json``) is written into ``runs/.NN-LABEL.partial``
+and renamed to ``runs/NN-LABEL`` only when the run is over, so a folder with
+the final name is always complete.  A later invocation skips finished runs,
+kills a server orphaned by a killed campaign (its PID is in the partial
+folder) and discards the partial folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .progress import Progress
+from .spec import PlannedRun, VariantSpec
+
+__all__ = [
+    "Campaign",
+    "CampaignInterrupted",
+    "ResolvedBench",
+    "ResolvedVariant",
+    "RunOptions",
+    "RunResult",
+    "bench_failure",
+    "read_bench_metrics",
+    "run_campaign",
+]
+
+RESULT_FILE = "result.json"
+BENCH_FILE = "bench.json"
+CAMPAIGN_FILE = "campaign.json"
+PARTIAL_SUFFIX = ".partial"
+# Environment variables recorded with each run (by prefix); names that look
+# like credentials are never written.
+_ENV_PREFIXES = (
+    "VLLM_",
+    "DSV4_",
+    "CUDA_",
+    "NCCL_",
+    "HF_",
+    "TORCH",
+    "PYTORCH_",
+    "OMP_",
+    "NVIDIA_",
+    "TRITON_",
+    "LD_LIBRARY_PATH",
+    "PATH",
+    "VIRTUAL_ENV",
+)
+_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "CREDENTIAL", "AUTH")
+
+
+class CampaignInterrupted(Exception):
+    """Raised when the campaign is asked to stop (SIGINT/SIGTERM)."""
+
+
+@dataclass(frozen=True)
+class ResolvedVariant:
+    """A variant ready to start: its ``vllm serve`` arguments, environment and vLLM."""
+
+    spec: VariantSpec
+    preset: str
+    model: str
+    served_model: str
+    tokenizer: str | None
+    serve_args: tuple[str, ...]
+    env: Mapping[str, str]
+    vllm: tuple[str, ...]
+    validation: Mapping[str, Any] = field(default_factory=dict)
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+    def serve_argv(self, host: str, port: int) -> list[str]:
+        """The full server command line for one run."""
+        return [*self.vllm, "serve", *self.serve_args, "--host", host, "--port", str(port)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (what runs, not only what was asked)."""
+        return {
+            "spec": self.spec.to_dict(),
+            "preset": self.preset,
+            "model": self.model,
+            "served_model": self.served_model,
+            "tokenizer": self.tokenizer,
+            "serve_args": list(self.serve_args),
+            "env": dict(self.env),
+            "vllm": list(self.vllm),
+            "validation": dict(self.validation),
+            "config": dict(self.config),
+        }
+
+
+@dataclass(frozen=True)
+class ResolvedBench:
+    """The benchmark every run executes, identical for A and B.
+
+    ``build_args`` returns everything after ``vllm bench serve``.
+    """
+
+    name: str
+    num_prompts: int
+    vllm: tuple[str, ...]
+    build_args: Callable[..., list[str]]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def argv(
+        self, *, base_url: str, model: str, result_dir: str, tokenizer: str | None
+    ) -> list[str]:
+        """The full ``vllm bench serve`` command line for one run."""
+        args = list(
+            self.build_args(
+                base_url=base_url,
+                model=model,
+                result_dir=result_dir,
+                result_filename=BENCH_FILE,
+                tokenizer=tokenizer,
+            )
+        )
+        # The report needs vLLM's saved JSON with per-request latencies.
+        for flag in ("--save-result", "--save-detailed"):
+            if flag not in args:
+                args.append(flag)
+        return [*self.vllm, "bench", "serve", *args]
+
+    def fingerprint(self) -> list[str]:
+        """The bench arguments with per-run values replaced (for resume checks)."""
+        return self.argv(base_url="URL", model="MODEL", result_dir="DIR", tokenizer=None)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Deadlines and knobs of a campaign (seconds unless stated)."""
+
+    host: str = "127.0.0.1"
+    health_timeout: float = 1800.0
+    bench_timeout: float = 3600.0
+    stop_grace: float = 60.0
+    gpu_release_timeout: float = 300.0
+    gpu_release_margin_mib: int = 1024
+    warmup_requests: int = 2
+    warmup_max_tokens: int = 8
+    retry_failed: bool = False
+    poll_interval: float = 1.0
+
+
+@dataclass
+class Campaign:
+    """Everything a campaign needs: where, what, in which order."""
+
+    out_dir: Path
+    runs: list[PlannedRun]
+    variants: dict[str, ResolvedVariant]
+    bench: ResolvedBench
+    options: RunOptions = field(default_factory=RunOptions)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def runs_dir(self) -> Path:
+        """Folder holding one sub-folder per run."""
+        return self.out_dir / "runs"
+
+    def manifest(self) -> dict[str, Any]:
+        """The campaign description written to ``campaign.json``."""
+        return {
+            "format": "dsv4-compare/1",
+            "runs": [r.to_dict() for r in self.runs],
+            "variants": {k: v.to_dict() for k, v in self.variants.items()},
+            "bench": {
+                "name": self.bench.name,
+                "num_prompts": self.bench.num_prompts,
+                "argv_template": self.bench.fingerprint(),
+                "env": dict(self.bench.env),
+            },
+            **self.extra,
+        }
+
+    def identity(self) -> dict[str, Any]:
+        """What must not change between a campaign and its resumption."""
+        return {
+            "runs": [(r.label, r.variant) for r in self.runs],
+            "variants": {
+                k: {"serve_args": list(v.serve_args), "env": dict(v.env), "vllm": list(v.vllm)}
+                for k, v in self.variants.items()
+            },
+            "bench": self.bench.fingerprint(),
+        }
+
+
+@dataclass
+class RunResult:
+    """The outcome of one run as stored in ``result.json``."""
+
+    label: str
+    variant: str
+    status: str
+    reason: str | None
+    folder: Path
+    metrics: dict[str, Any] = field(default_factory=dict)
+    executed: bool = True
+
+    @property
+    def ok(self) -> bool:
+        """True when the run completed with every request successful."""
+        return self.status == "ok"
+
+
+# --------------------------------------------------------------------------
+# Small helpers, each testable on its own
+# --------------------------------------------------------------------------
+
+
+def free_port(host: str) -> int:
+    """A TCP port on ``host`` that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def recorded_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of an environment worth recording (no credentials)."""
+    out = {}
+    for name, value in sorted(env.items()):
+        if not name.startswith(_ENV_PREFIXES):
+            continue
+        if any(word in name.upper() for word in _SECRET_WORDS):
+            continue
+        out[name] = value
+    return out
+
+
+def http_get(url: str, timeout: float) -> tuple[int, bytes]:
+    """GET ``url``; returns (status, body); status 0 when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), b""
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return 0, b""
+
+
+def http_post_json(url: str, payload: Mapping[str, Any], timeout: float) -> tuple[int, bytes]:
+    """POST a JSON body; returns (status, body); status 0 when nothing answered."""
+    data = json.dumps(payload).encode()
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read()
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        return 0, str(exc).encode()
+
+
+def gpu_memory_used_mib() -> list[int] | None:
+    """Used memory per GPU from ``nvidia-smi``, or None where there is no nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+    values = []
+    for line in out.splitlines():
+        line = line.strip()
+        if line:
+            try:
+                values.append(int(float(line)))
+            except ValueError:
+                return None
+    return values
+
+
+def _process_group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], grace: float) -> dict[str, Any]:
+    """Stop a process started with ``start_new_session`` and everything in its group.
+
+    SIGTERM to the group (the PID is the group id), then SIGKILL once ``grace``
+    seconds have passed; returns how it went.
+    """
+    pid = proc.pid
+    info: dict[str, Any] = {"pid": pid}
+    t0 = time.monotonic()
+    if proc.poll() is not None and not _process_group_alive(pid):
+        info.update(exit_code=proc.returncode, stopped_by="already exited", seconds=0.0)
+        return info
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    stopped_by = "SIGTERM"
+    deadline = t0 + grace
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not _process_group_alive(pid):
+            break
+        time.sleep(0.1)
+    else:
+        stopped_by = "SIGKILL after grace"
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        kill_deadline = time.monotonic() + 30
+        while _process_group_alive(pid) and time.monotonic() < kill_deadline:
+            proc.poll()
+            time.sleep(0.1)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    info.update(
+        exit_code=proc.returncode,
+        stopped_by=stopped_by,
+        seconds=round(time.monotonic() - t0, 3),
+        group_left=_process_group_alive(pid),
+    )
+    return info
+
+
+def kill_orphan(pid_file: Path, grace: float = 30.0) -> str | None:
+    """Stop a server left behind by a killed campaign, if it is still ours.
+
+    ``pid_file`` holds ``{"pid": ..., "argv": [...]}``.  The process is only
+    signalled when its command line (``/proc/PID/cmdline``) is the recorded
+    one, so a reused PID is never hit.  Returns what was done, or None.
+    """
+    try:
+        data = json.loads(pid_file.read_text())
+        pid = int(data["pid"])
+        argv = [str(a) for a in data["argv"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    try:
+        running = cmdline.read_bytes().split(b"\0")
+    except OSError:
+        running = None
+    if running is None:
+        if _process_group_alive(pid) and not Path("/proc").is_dir():
+            return f"process group {pid} may be an orphaned server; /proc is missing, not touched"
+        return None
+    if [a.decode(errors="replace") for a in running if a] != argv:
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _process_group_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _process_group_alive(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        return f"killed orphaned server process group {pid} (SIGKILL after {grace:.0f}s)"
+    return f"stopped orphaned server process group {pid} (SIGTERM)"
+
+
+def _tail(path: Path, lines: int = 40) -> list[str]:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    return text.splitlines()[-lines:]
+
+
+def read_bench_metrics(data: Mapping[str, Any]) -> dict[str, Any]:
+    """The summary numbers of one vLLM bench JSON (0.32 field names)."""
+    keys = (
+        "completed",
+        "failed",
+        "num_prompts",
+        "duration",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "mean_itl_ms",
+        "median_itl_ms",
+        "p99_itl_ms",
+    )
+    return {k: data[k] for k in keys if k in data}
+
+
+def bench_failure(data: Mapping[str, Any], expected_prompts: int) -> str | None:
+    """Why a bench result cannot be used, or None when every request completed."""
+    completed = data.get("completed")
+    failed = data.get("failed")
+    if not isinstance(completed, int):
+        return "bench result has no 'completed' count"
+    if isinstance(failed, int) and failed > 0:
+        errors = [e for e in data.get("errors", []) or [] if e]
+        first = f"; first error: {errors[0][:200]}" if errors else ""
+        return f"{failed} of {completed + failed} requests failed{first}"
+    if completed < expected_prompts:
+        return f"only {completed} of {expected_prompts} prompts completed"
+    return None
+
+
+# --------------------------------------------------------------------------
+# One run
+# --------------------------------------------------------------------------
+
+
+class _RunFailed(Exception):
+    """A run could not produce a usable measurement; the message says why."""
+
+
+def _host_versions() -> dict[str, Any]:
+    from .. import __version__
+
+    versions: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "dsv4_presets": __version__,
+    }
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        if sha.returncode == 0:
+            versions["git_sha"] = sha.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    exe = shutil.which("nvidia-smi")
+    if exe:
+        try:
+            out = subprocess.run(
+                [exe, "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
+            versions["gpus"] = [line.strip() for line in out.splitlines() if line.strip()]
+        except (OSError, subprocess.SubprocessError):
+            versions["gpus"] = None
+    else:
+        versions["gpus"] = None
+    return versions
+
+
+class _Runner:
+    def __init__(self, campaign: Campaign, progress: Progress):
+        self.c = campaign
+        self.o = campaign.options
+        self.p = progress
+        self._host_versions: dict[str, Any] | None = None
+
+    # ---- process helpers -------------------------------------------------
+
+    def _popen(
+        self, argv: Sequence[str], env: Mapping[str, str], log: Path
+    ) -> subprocess.Popen[bytes]:
+        with open(log, "ab") as fh:
+            return subprocess.Popen(
+                list(argv),
+                env=dict(env),
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def _sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def _wait_healthy(self, proc: subprocess.Popen[bytes], base_url: str) -> float:
+        t0 = time.monotonic()
+        deadline = t0 + self.o.health_timeout
+        while True:
+            code = proc.poll()
+            if code is not None:
+                raise _RunFailed(
+                    f"server exited with code {code} before it was healthy "
+                    f"(after {time.monotonic() - t0:.0f}s)"
+                )
+            status, _ = http_get(base_url + "/health", timeout=5)
+            if status == 200:
+                return time.monotonic() - t0
+            if time.monotonic() >= deadline:
+                raise _RunFailed(
+                    f"health timeout: /health did not answer 200 within "
+                    f"{self.o.health_timeout:.0f}s"
+                )
+            self.p.phase(f"waiting for /health ({time.monotonic() - t0:.0f}s)")
+            self._sleep(self.o.poll_interval)
+
+    def _warm_up(self, proc: subprocess.Popen[bytes], base_url: str, model: str) -> list[float]:
+        times = []
+        for i in range(self.o.warmup_requests):
+            self.p.phase(f"warm-up request {i + 1}/{self.o.warmup_requests}")
+            t0 = time.monotonic()
+            status, body = http_post_json(
+                base_url + "/v1/completions",
+                {
+                    "model": model,
+                    "prompt": "Warm-up request.",
+                    "max_tokens": self.o.warmup_max_tokens,
+                    "temperature": 0.0,
+                },
+                timeout=min(600.0, self.o.bench_timeout),
+            )
+            if status != 200:
+                code = proc.poll()
+                died = f"; server exited with code {code}" if code is not None else ""
+                raise _RunFailed(
+                    f"warm-up request {i + 1} failed with HTTP {status}: "
+                    f"{body[:200].decode(errors='replace')}{died}"
+                )
+            times.append(round(time.monotonic() - t0, 3))
+        return times
+
+    def _bench(
+        self,
+        server: subprocess.Popen[bytes],
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log: Path,
+    ) -> float:
+        t0 = time.monotonic()
+        proc = self._popen(argv, env, log)
+        deadline = t0 + self.o.bench_timeout
+        try:
+            while proc.poll() is None:
+                if server.poll() is not None:
+                    raise _RunFailed(
+                        f"server died during the benchmark (exit code {server.returncode})"
+                    )
+                if time.monotonic() >= deadline:
+                    raise _RunFailed(f"benchmark did not finish within {self.o.bench_timeout:.0f}s")
+                self.p.phase(f"benchmark running ({time.monotonic() - t0:.0f}s)")
+                self._sleep(min(self.o.poll_interval, 0.5))
+        finally:
+            if proc.poll() is None:
+                stop_process_group(proc, grace=10)
+        if proc.returncode != 0:
+            raise _RunFailed(f"vllm bench serve exited with code {proc.returncode}")
+        if server.poll() is not None:
+            raise _RunFailed(f"server died during the benchmark (exit code {server.returncode})")
+        return time.monotonic() - t0
+
+    def _wait_gpu_release(self, baseline: list[int] | None) -> dict[str, Any]:
+        if baseline is None:
+            return {"checked": False, "note": "nvidia-smi not found: no GPU memory to wait for"}
+        t0 = time.monotonic()
+        deadline = t0 + self.o.gpu_release_timeout
+        used = gpu_memory_used_mib()
+        while used is not None:
+            if len(used) == len(baseline) and all(
+                u <= b + self.o.gpu_release_margin_mib for u, b in zip(used, baseline, strict=True)
+            ):
+                return {
+                    "checked": True,
+                    "released": True,
+                    "baseline_mib": baseline,
+                    "used_mib": used,
+                    "seconds": round(time.monotonic() - t0, 3),
+                }
+            if time.monotonic() >= deadline:
+                break
+            self.p.phase("waiting for GPU memory to be released")
+            self._sleep(self.o.poll_interval)
+            used = gpu_memory_used_mib()
+        return {
+            "checked": True,
+            "released": False,
+            "baseline_mib": baseline,
+            "used_mib": used,
+            "seconds": round(time.monotonic() - t0, 3),
+            "note": f"GPU memory not back to baseline within {self.o.gpu_release_timeout:.0f}s",
+        }
+
+    # ---- one run ----------------------------------------------------------
+
+    def run_one(self, run: PlannedRun, final: Path) -> RunResult:
+        variant = self.c.variants[run.variant]
+        partial = self.c.runs_dir / f".{run.folder}{PARTIAL_SUFFIX}"
+        if partial.exists():
+            shutil.rmtree(partial)
+        partial.mkdir(parents=True)
+        host = self.o.host
+        port = free_port(host)
+        base_url = f"http://{host}:{port}"
+        server_argv = variant.serve_argv(host, port)
+        server_env = {**os.environ, **variant.env}
+        bench_argv = self.c.bench.argv(
+            base_url=base_url,
+            model=variant.served_model,
+            result_dir=str(partial),
+            tokenizer=variant.tokenizer,
+        )
+        bench_env = {**os.environ, **self.c.bench.env}
+        if self._host_versions is None:
+            self._host_versions = _host_versions()
+        _write_json(partial / "spec.json", {"run": run.to_dict(), **variant.to_dict()})
+        _write_json(
+            partial / "command.json",
+            {
+                "server": server_argv,
+                "server_shell": shlex.join(server_argv),
+                "server_env_overrides": dict(variant.env),
+                "bench": bench_argv,
+                "bench_shell": shlex.join(bench_argv),
+                "bench_env_overrides": dict(self.c.bench.env),
+                "warmup": {
+                    "requests": self.o.warmup_requests,
+                    "max_tokens": self.o.warmup_max_tokens,
+                    "endpoint": "/v1/completions",
+                },
+                "base_url": base_url,
+            },
+        )
+        _write_json(
+            partial / "environment.json",
+            {
+                "server": recorded_environment(server_env),
+                "bench": recorded_environment(bench_env),
+            },
+        )
+        result: dict[str, Any] = {
+            "label": run.label,
+            "variant": run.variant,
+            "index": run.index,
+            "display": variant.spec.display,
+            "port": port,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "status": "failed",
+            "reason": None,
+            "timings": {},
+        }
+        versions = dict(self._host_versions)
+        baseline = gpu_memory_used_mib()
+        server: subprocess.Popen[bytes] | None = None
+        server_log = partial / "server.log"
+        t_run = time.monotonic()
+        try:
+            try:
+                self.p.phase("starting server")
+                server = self._popen(server_argv, server_env, server_log)
+                _write_json(partial / "server.pid", {"pid": server.pid, "argv": server_argv})
+                result["timings"]["startup_s"] = round(self._wait_healthy(server, base_url), 3)
+                status, body = http_get(base_url + "/version", timeout=10)
+                if status == 200:
+                    with contextlib.suppress(ValueError):
+                        versions["vllm_server"] = json.loads(body).get("version")
+                result["timings"]["warmup_s"] = self._warm_up(
+                    server, base_url, variant.served_model
+                )
+                result["timings"]["bench_s"] = round(
+                    self._bench(server, bench_argv, bench_env, partial / "bench.log"), 3
+                )
+                bench_path = partial / BENCH_FILE
+                if not bench_path.is_file():
+                    raise _RunFailed(f"vllm bench serve wrote no result file {BENCH_FILE}")
+                try:
+                    data = json.loads(bench_path.read_text())
+                except ValueError as exc:
+                    raise _RunFailed(f"{BENCH_FILE} is not valid JSON: {exc}") from None
+                result["metrics"] = read_bench_metrics(data)
+                why = bench_failure(data, self.c.bench.num_prompts)
+                if why is not None:
+                    raise _RunFailed(why)
+                result["status"] = "ok"
+            except _RunFailed as exc:
+                result["reason"] = str(exc)
+        finally:
+            if server is not None:
+                self.p.phase("stopping server")
+                result["server"] = stop_process_group(server, self.o.stop_grace)
+        result["gpu_release"] = self._wait_gpu_release(baseline)
+        result["timings"]["total_s"] = round(time.monotonic() - t_run, 3)
+        result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        if result["status"] != "ok":
+            result["log_tail"] = _tail(server_log)
+            bench_log = partial / "bench.log"
+            if bench_log.exists():
+                result["bench_log_tail"] = _tail(bench_log, 20)
+        _write_json(partial / "versions.json", versions)
+        _write_json(partial / RESULT_FILE, result)
+        with contextlib.suppress(FileNotFoundError):
+            (partial / "server.pid").unlink()
+        os.rename(partial, final)
+        return RunResult(
+            run.label,
+            run.variant,
+            result["status"],
+            result["reason"],
+            final,
+            result.get("metrics", {}),
+        )
+
+    def discard_partial(self, run: PlannedRun) -> None:
+        partial = self.c.runs_dir / f".{run.folder}{PARTIAL_SUFFIX}"
+        if partial.exists():
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _check_manifest(campaign: Campaign) -> None:
+    path = campaign.out_dir / CAMPAIGN_FILE
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError as exc:
+            raise ValueError(f"--out: {path} is not valid JSON ({exc}); use a new --out") from None
+        old_identity = old.get("identity")
+        new_identity = json.loads(json.dumps(campaign.identity()))
+        if old_identity != new_identity:
+            diffs = [k for k in new_identity if (old_identity or {}).get(k) != new_identity[k]]
+            raise ValueError(
+                f"--out: {campaign.out_dir} holds a different campaign (differs in: "
+                f"{', '.join(diffs) or 'format'}); resume only with the same --a/--b/--pattern/"
+                f"--repeats/--bench, or choose a new --out"
+            )
+        return
+    campaign.out_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(
+        path,
+        {
+            **campaign.manifest(),
+            "identity": campaign.identity(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+    )
+
+
+def load_result(folder: Path) -> dict[str, Any] | None:
+    """The ``result.json`` of a finished run folder, or None."""
+    path = folder / RESULT_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def run_campaign(campaign: Campaign, progress: Progress | None = None) -> list[RunResult]:
+    """Execute (or resume) every planned run in order and return their outcomes.
+
+    Raises :class:`CampaignInterrupted` when interrupted; the run in progress
+    is stopped and its partial folder removed, finished runs are kept.
+    """
+    progress = progress or Progress(len(campaign.runs))
+    _check_manifest(campaign)
+    campaign.runs_dir.mkdir(parents=True, exist_ok=True)
+    runner = _Runner(campaign, progress)
+    # Servers orphaned by a campaign that was killed outright.
+    for pid_file in sorted(campaign.runs_dir.glob(f".*{PARTIAL_SUFFIX}/server.pid")):
+        what = kill_orphan(pid_file, grace=campaign.options.stop_grace)
+        if what:
+            progress.event(what)
+    for stale in sorted(campaign.runs_dir.glob(f".*{PARTIAL_SUFFIX}")):
+        progress.event(f"discarding unfinished run folder {stale.name}")
+        shutil.rmtree(stale, ignore_errors=True)
+
+    results: list[RunResult] = []
+    for position, run in enumerate(campaign.runs, start=1):
+        final = campaign.runs_dir / run.folder
+        old = load_result(final)
+        if old is not None and (old.get("status") == "ok" or not campaign.options.retry_failed):
+            progress.run_skipped(run.label, f"already {old.get('status')} (resumed)")
+            results.append(
+                RunResult(
+                    run.label,
+                    run.variant,
+                    str(old.get("status")),
+                    old.get("reason"),
+                    final,
+                    old.get("metrics", {}),
+                    executed=False,
+                )
+            )
+            continue
+        if final.exists():
+            attempt = 1
+            while final.with_name(f"{final.name}.failed-{attempt}").exists():
+                attempt += 1
+            keep = final.with_name(f"{final.name}.failed-{attempt}")
+            os.rename(final, keep)
+            progress.event(f"{run.label}: retrying; earlier attempt kept as {keep.name}")
+        variant = campaign.variants[run.variant]
+        progress.run_started(position, run.label, f"variant {variant.spec.display}")
+        try:
+            outcome = runner.run_one(run, final)
+        except BaseException:
+            runner.discard_partial(run)
+            raise
+        summary = (
+            f"ok: {outcome.metrics.get('output_throughput', float('nan')):.2f} tok/s, "
+            f"mean TPOT {outcome.metrics.get('mean_tpot_ms', float('nan')):.2f} ms"
+            if outcome.ok
+            else f"FAILED: {outcome.reason} (log: {final / 'server.log'})"
+        )
+        progress.run_finished(run.label, summary)
+        results.append(outcome)
+    return results
