@@ -9,12 +9,22 @@ run the real Triton kernels through it.
 from __future__ import annotations
 
 from . import geometry, reference
+from .kv_cache import (
+    dequantize_and_gather_k_cache,
+    empty_k_cache,
+    k_cache_page_stride,
+    quantize_and_insert_k_cache,
+)
 from .metadata import combine_topk_swa_indices, compute_global_topk_indices_and_lens
 
 __all__ = [
     "combine_topk_swa_indices",
     "compute_global_topk_indices_and_lens",
+    "dequantize_and_gather_k_cache",
+    "empty_k_cache",
     "geometry",
+    "k_cache_page_stride",
+    "quantize_and_insert_k_cache",
     "reference",
 ]
 __version__ = "0.1.0"

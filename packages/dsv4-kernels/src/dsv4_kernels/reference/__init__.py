@@ -5,6 +5,12 @@ One reference per op, used by the CPU path, the tests and the benchmarks.
 
 from __future__ import annotations
 
+from .kv_cache import dequantize_and_gather_k_cache, quantize_and_insert_k_cache
 from .metadata import combine_topk_swa_indices, compute_global_topk_indices_and_lens
 
-__all__ = ["combine_topk_swa_indices", "compute_global_topk_indices_and_lens"]
+__all__ = [
+    "combine_topk_swa_indices",
+    "compute_global_topk_indices_and_lens",
+    "dequantize_and_gather_k_cache",
+    "quantize_and_insert_k_cache",
+]
