@@ -101,13 +101,16 @@ def build_combine_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
         inp = _combine_inputs(shape, device, g)
         T, topk_read = inp.pop("_T"), inp.pop("_topk_read")
         args = list(inp.values())
-        want = ref.combine_topk_swa_indices(*args)
+        want = ref.combine_topk_swa_indices(*args, num_tokens=T)
         width = want[0].shape[1]
         # Ours is checked through a poisoned out= buffer as well as in the timed form.
         out = torch.full((T, width), POISON, dtype=torch.int32, device=device)
         dk.combine_topk_swa_indices(*args, out=out)
         assert torch.equal(out, want[0]), f"{shape.name}: poisoned out= run differs"
-        providers = [_provider("dsv4-kernels", lambda a=args: dk.combine_topk_swa_indices(*a), want)]
+        providers = [
+            _provider("dsv4-kernels",
+                      lambda a=args, t=T: dk.combine_topk_swa_indices(*a, num_tokens=t), want)
+        ]  # fmt: skip
         for workers in (128, 256):
             providers.append(
                 _provider(

@@ -1,47 +1,84 @@
 """Tile-size sweep for the metadata kernels (GPU only): ``python -m benchmarks.sweep_metadata``.
 
-Times our kernels under alternative compile-time tile sizes on the cases that
-decide the targets; each variant is checked against the reference first.
+For each compile-time tile configuration: do_bench median (the harness's
+timing), the host time per call (launch and validation, no sync), and the GPU
+time per call from a CUDA graph of 20 back-to-back calls.  Every variant is
+checked against the reference first.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Callable
 
 import torch
-import triton.testing
 
 import dsv4_kernels as dk
 import dsv4_kernels.metadata as md
 from dsv4_kernels import reference as ref
 
 from .cases_metadata import COMBINE_MATRIX, _combine_inputs
+from .harness import _time_us
+
+
+def _host_us(fn: Callable[[], object], n: int = 200) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def _graph_us(fn: Callable[[], object], n: int = 20) -> float:
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (10 * n)
 
 
 def main() -> None:
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(7)
-    shapes = [s for s in COMBINE_MATRIX
-              if s.name in ("c4a-1x1024", "c4a-16x1024", "c4a-1x16384@131072", "swa-16x1024")]
+    names = ("c4a-1x1024", "c4a-16x1024", "c4a-1x16384@131072", "swa-16x1024")
     inputs = {}
-    for s in shapes:
-        inp = _combine_inputs(s, dev, g)
-        inp.pop("_T"), inp.pop("_topk_read")
-        inputs[s.name] = list(inp.values())
-    wants = {k: ref.combine_topk_swa_indices(*a) for k, a in inputs.items()}
-    print("combine: BLOCK_T BLOCK_C warps | " + " | ".join(inputs))
-    for bt, bc, nw in itertools.product((2, 4, 8, 16), (128, 256), (2, 4, 8)):
-        if bt * bc > 4096:
-            continue
+    for s in COMBINE_MATRIX:
+        if s.name in names:
+            inp = _combine_inputs(s, dev, g)
+            T = inp.pop("_T")
+            inp.pop("_topk_read")
+            inputs[s.name] = (list(inp.values()), T)
+    wants = {k: ref.combine_topk_swa_indices(*a, num_tokens=t) for k, (a, t) in inputs.items()}
+    print("combine BT BC warps | per case: do_bench / host / graph (us)")
+    for bt, bc, nw in itertools.product((4, 8, 16), (128, 256), (4, 8)):
         md.COMBINE_BLOCK_T, md.COMBINE_BLOCK_C, md.COMBINE_NUM_WARPS = bt, bc, nw
-        times = []
-        for name, args in inputs.items():
-            got = dk.combine_topk_swa_indices(*args)
-            assert torch.equal(got[0], wants[name][0])
-            times.append(triton.testing.do_bench(lambda a=args: dk.combine_topk_swa_indices(*a),
-                                                 warmup=25, rep=60, return_mode="median") * 1e3)
-        print(f"combine {bt:3d} {bc:4d} {nw:2d} | " + " | ".join(f"{t:8.2f}" for t in times),
-              flush=True)
+        cells = []
+        for name, (args, T) in inputs.items():
+            out = torch.empty_like(wants[name][0])
+            lens = torch.empty_like(wants[name][1])
+
+            def fn(a: list = args, o: torch.Tensor = out, ln: torch.Tensor = lens) -> object:
+                return dk.combine_topk_swa_indices(*a, out=o, lens_out=ln)
+
+            fn()
+            assert torch.equal(out, wants[name][0]) and torch.equal(lens, wants[name][1])
+            cells.append(f"{_time_us(fn, dev, 60)[1]:6.2f}/{_host_us(fn):5.1f}/{_graph_us(fn):6.2f}")
+        print(f"combine {bt:2d} {bc:3d} {nw} | " + " | ".join(cells), flush=True)
     T, K = 16384, 512
     topk = torch.randint(-1, 32768, (T, K), dtype=torch.int32, device=dev)
     req = torch.zeros(T, dtype=torch.int32, device=dev)
@@ -49,13 +86,18 @@ def main() -> None:
     valid = torch.ones(T, dtype=torch.bool, device=dev)
     args = (topk, req, table, 64, valid)
     want = ref.compute_global_topk_indices_and_lens(*args)
-    for bt, bk, nw in itertools.product((1, 2, 4, 8), (128, 256, 512), (2, 4, 8)):
+    out, lens = torch.empty_like(want[0]), torch.empty_like(want[1])
+    print("global BT BK warps | do_bench / host / graph (us), 16384 x 512")
+    for bt, bk, nw in itertools.product((1, 2, 4, 8), (128, 256, 512), (4, 8)):
         md.GLOBAL_BLOCK_T, md.GLOBAL_BLOCK_K, md.GLOBAL_NUM_WARPS = bt, bk, nw
-        got = dk.compute_global_topk_indices_and_lens(*args)
-        assert torch.equal(got[0], want[0])
-        t = triton.testing.do_bench(lambda: dk.compute_global_topk_indices_and_lens(*args),
-                                    warmup=25, rep=60, return_mode="median") * 1e3
-        print(f"global {bt:3d} {bk:4d} {nw:2d} | {t:8.2f}", flush=True)
+
+        def gfn() -> object:
+            return dk.compute_global_topk_indices_and_lens(*args, out=out, lens_out=lens)
+
+        gfn()
+        assert torch.equal(out, want[0]) and torch.equal(lens, want[1])
+        print(f"global {bt} {bk:3d} {nw} | {_time_us(gfn, dev, 60)[1]:6.2f} / {_host_us(gfn):5.1f}"
+              f" / {_graph_us(gfn):6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -287,3 +287,45 @@ def test_global_bad_input(change: Callable[[dict[str, object]], None], match: st
     change(args)
     with pytest.raises(ValueError, match=match):
         dk.compute_global_topk_indices_and_lens(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_combine_num_tokens_for_generated_topk(impl: str, kernel_device: torch.device) -> None:
+    """C128A without topk_indices: num_tokens= gives the count without a device read."""
+    device = kernel_device if impl == "triton" else torch.device("cpu")
+    b = make_batch(fresh_seed(), query_lens=[11, 0, 6], ratio=128, topk=8, generate_topk=True,
+                   context=(0, 2000)).to(device)  # fmt: skip
+    want = IMPLS[impl](*b.args())  # count read back from query_start_loc
+    got = IMPLS[impl](*b.args(), num_tokens=b.num_tokens)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].shape[0] == 17
+
+
+def test_combine_num_tokens_must_match_topk_rows() -> None:
+    b = make_batch(2, query_lens=[5], ratio=4, topk=16)
+    with pytest.raises(ValueError, match="topk_indices must have 4 entries"):
+        dk.combine_topk_swa_indices(*b.args(), num_tokens=4)
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        dk.combine_topk_swa_indices(*b.args(), num_tokens=-1)
+
+
+def test_cpu_tensors_use_the_reference_without_the_interpreter() -> None:
+    """Without TRITON_INTERPRET, CPU tensors take the torch reference, not Triton."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, dsv4_kernels as dk, dsv4_kernels.reference.metadata as r\n"
+        "calls = []\n"
+        "orig = r.combine_topk_swa_indices\n"
+        "r.combine_topk_swa_indices = lambda *a, **k: calls.append(1) or orig(*a, **k)\n"
+        "q = torch.tensor([0, 3], dtype=torch.int32); s = torch.tensor([3], dtype=torch.int32)\n"
+        "out, lens = dk.combine_topk_swa_indices(torch.zeros((3, 0), dtype=torch.int32), q, s, s,"
+        " 128, 1, 0, 200, 8)\n"
+        "assert calls == [1], calls\n"
+        "assert lens.tolist() == [1, 2, 3], lens\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

@@ -37,7 +37,7 @@ def test_combine_benchmark_sizes_match_reference(index: int, gpu: torch.device) 
     T = inp.pop("_T")
     inp.pop("_topk_read")
     args = list(inp.values())
-    want, want_lens = ref.combine_topk_swa_indices(*args)
+    want, want_lens = ref.combine_topk_swa_indices(*args, num_tokens=T)
     out = torch.full_like(want, POISON)
     lens = torch.full_like(want_lens, POISON)
     dk.combine_topk_swa_indices(*args, out=out, lens_out=lens)
@@ -64,7 +64,7 @@ def test_combine_random_batches_on_gpu(layer: str, gpu: torch.device) -> None:
 def test_combine_cuda_graph_capture_and_replay(gpu: torch.device) -> None:
     b = make_batch(fresh_seed(), query_lens=[300, 0, 77, 512], ratio=4, topk=512,
                    context=(0, 5000)).to(gpu)  # fmt: skip
-    width = 768
+    width = 640
     out = torch.full((b.num_tokens, width), POISON, dtype=torch.int32, device=gpu)
     lens = torch.full((b.num_tokens,), POISON, dtype=torch.int32, device=gpu)
     topk, seq = b.topk_indices.clone(), b.seq_lens.clone()  # type: ignore[union-attr]

@@ -21,6 +21,7 @@ import triton.language as tl
 # Run-time arguments that must not be specialised on value (==1, %16) or on
 # pointer alignment: changing them must not compile a new kernel.
 COMBINE_RUNTIME_ARGS = [
+    "topk_stride",
     "qsl_ptr",
     "seq_lens_ptr",
     "gather_lens_ptr",
@@ -70,22 +71,31 @@ def _combine_topk_swa_indices_kernel(
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < num_tokens
 
-    # Request of each token: the number of request ends qsl[1..B] <= t + qsl[0].
-    # A vectorised count over a tile of requests, not a dependent binary
-    # search; zero-length requests fall out naturally.
+    # Each token's request and that request's metadata in one round of
+    # independent loads: a tile of requests is loaded whole and every token
+    # picks its request with a one-hot match (start <= t < end), so there is
+    # no dependent search and no second gather.  Zero-length requests never
+    # match.  More requests than BLOCK_R take more (independent) tiles.
     qs0 = tl.load(qsl_ptr)
     x = toks + qs0
     req = tl.zeros([BLOCK_T], dtype=tl.int32)
+    q_start = tl.zeros([BLOCK_T], dtype=tl.int32)
+    q_end = tl.zeros([BLOCK_T], dtype=tl.int32)
+    seq_len = tl.zeros([BLOCK_T], dtype=tl.int32)
+    gather_len = tl.zeros([BLOCK_T], dtype=tl.int32)
     for r0 in range(0, num_reqs, BLOCK_R):
-        r = r0 + 1 + tl.arange(0, BLOCK_R)
-        ends = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=2147483647)
-        req += tl.sum((ends[None, :] <= x[:, None]).to(tl.int32), axis=1)
-    req = tl.minimum(req, num_reqs - 1)
-
-    q_start = tl.load(qsl_ptr + req, mask=tok_ok, other=0)
-    q_end = tl.load(qsl_ptr + req + 1, mask=tok_ok, other=0)
-    seq_len = tl.load(seq_lens_ptr + req, mask=tok_ok, other=0)
-    gather_len = tl.load(gather_lens_ptr + req, mask=tok_ok, other=0)
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = r < num_reqs
+        starts = tl.load(qsl_ptr + r, mask=r_ok, other=0)
+        ends = tl.load(qsl_ptr + r + 1, mask=r_ok, other=0)
+        seqs = tl.load(seq_lens_ptr + r, mask=r_ok, other=0)
+        gathers = tl.load(gather_lens_ptr + r, mask=r_ok, other=0)
+        hit = (starts[None, :] <= x[:, None]) & (x[:, None] < ends[None, :])
+        req += tl.sum(tl.where(hit, r[None, :], 0), axis=1)
+        q_start += tl.sum(tl.where(hit, starts[None, :], 0), axis=1)
+        q_end += tl.sum(tl.where(hit, ends[None, :], 0), axis=1)
+        seq_len += tl.sum(tl.where(hit, seqs[None, :], 0), axis=1)
+        gather_len += tl.sum(tl.where(hit, gathers[None, :], 0), axis=1)
 
     pos = seq_len - (q_end - q_start) + (x - q_start)
     if RATIO > 0:

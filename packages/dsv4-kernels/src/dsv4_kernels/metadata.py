@@ -48,8 +48,9 @@ def _combine_args(
     left_visible: torch.Tensor | None,
     right_visible: torch.Tensor | None,
     max_image_tokens: int,
+    num_tokens: int | None,
 ) -> tuple[int, int]:
-    """Validate on the host; return (num_tokens, row width). Never syncs the GPU."""
+    """Validate on the host; return (num_tokens, row width)."""
     check_tensor("query_start_loc", query_start_loc, dtype=INDEX_DTYPES, ndim=1)
     device = query_start_loc.device
     check_tensor("seq_lens", seq_lens, dtype=INDEX_DTYPES, ndim=1, device=device)
@@ -70,7 +71,8 @@ def _combine_args(
     if compress_ratio == 1 and topk != 0:
         raise ValueError(f"topk must be 0 for SWA-only layers (compress_ratio 1), got {topk}")
 
-    num_tokens: int | None = None
+    if num_tokens is not None:
+        check_nonnegative_int("num_tokens", num_tokens)
     if topk_indices is not None:
         check_tensor("topk_indices", topk_indices, dtype=INDEX_DTYPES, ndim=2, device=device)
         if topk_indices.shape[1] < topk:
@@ -80,7 +82,9 @@ def _combine_args(
             )
         if topk > 0 and topk_indices.stride(1) != 1:
             raise ValueError("topk_indices must be contiguous in its last dimension")
-        num_tokens = topk_indices.shape[0]
+        if num_tokens is None:
+            num_tokens = topk_indices.shape[0]
+        check_length("topk_indices", topk_indices, num_tokens, "one row per query token")
     elif topk > 0 and compress_ratio != 128:
         raise ValueError(
             "topk_indices may be None only for C128A layers (compress_ratio 128) or topk 0, "
@@ -99,9 +103,9 @@ def _combine_args(
         if num_tokens is None:
             num_tokens = out.shape[0]
     if num_tokens is None:
-        # Only C128A / SWA-only calls without topk_indices, out or image masks
-        # get here: the token count lives on the device.  This reads it back
-        # (a synchronisation); pass `out=` to avoid it.
+        # Only C128A / SWA-only calls without topk_indices, out, image masks
+        # or num_tokens get here: the token count lives on the device.  This
+        # reads it back (a synchronisation); pass `num_tokens=` to avoid it.
         num_tokens = int(query_start_loc[-1].item() - query_start_loc[0].item())
     width = combined_width(topk, window_size, max_image_tokens)
     check_out("out", out, (num_tokens, width), torch.int32, device)
@@ -124,6 +128,7 @@ def combine_topk_swa_indices(
     max_image_tokens: int = 0,
     *,
     lens_out: torch.Tensor | None = None,
+    num_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Build each prefill query token's row of KV-workspace indices (top-k + sliding window).
 
@@ -164,6 +169,10 @@ def combine_topk_swa_indices(
         lens_out: optional ``[num_tokens]`` int32 buffer for ``lens`` (an
             extension of vLLM's signature); with ``out`` and ``lens_out`` the
             call allocates nothing.
+        num_tokens: optional number of query tokens (an extension): needed
+            only when ``topk_indices`` is None and neither ``out`` nor the
+            image masks give it; without it such a call reads the count back
+            from the device (one synchronisation).
 
     Returns:
         ``(combined [num_tokens, Wc] int32, lens [num_tokens] int32)`` with
@@ -176,7 +185,7 @@ def combine_topk_swa_indices(
     """
     num_tokens, width = _combine_args(
         topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
-        topk, M, N, out, left_visible, right_visible, max_image_tokens,
+        topk, M, N, out, left_visible, right_visible, max_image_tokens, num_tokens,
     )  # fmt: skip
     device = query_start_loc.device
     check_out("lens_out", lens_out, (num_tokens,), torch.int32, device)
@@ -186,7 +195,7 @@ def combine_topk_swa_indices(
         return ref.combine_topk_swa_indices(
             topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
             topk, M, N, out=out, left_visible=left_visible, right_visible=right_visible,
-            max_image_tokens=max_image_tokens, lens_out=lens_out,
+            max_image_tokens=max_image_tokens, lens_out=lens_out, num_tokens=num_tokens,
         )  # fmt: skip
     if out is None:
         out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)

@@ -39,17 +39,18 @@ def combine_topk_swa_indices(
     max_image_tokens: int = 0,
     *,
     lens_out: torch.Tensor | None = None,
+    num_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`dsv4_kernels.combine_topk_swa_indices` (same contract)."""
     device = query_start_loc.device
     width = combined_width(topk, window_size, max_image_tokens)
-    if topk_indices is not None:
+    if num_tokens is None and topk_indices is not None:
         num_tokens = topk_indices.shape[0]
-    elif left_visible is not None:
+    elif num_tokens is None and left_visible is not None:
         num_tokens = left_visible.shape[0]
-    elif out is not None:
+    elif num_tokens is None and out is not None:
         num_tokens = out.shape[0]
-    else:
+    elif num_tokens is None:
         num_tokens = int(query_start_loc[-1].item() - query_start_loc[0].item())
     if out is None:
         out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
