@@ -1,0 +1,388 @@
+"""vLLM's option tables, as data, so presets can be checked without vLLM installed.
+
+``vllm serve`` and ``vllm bench serve`` each accept a few hundred options.  To
+reject unknown keys and badly typed values on a machine without vLLM (a laptop
+writing a cluster config, CI), we ship a snapshot of both parsers' option
+tables, generated from the real parsers by :func:`snapshot_from_parser`
+(``python -m dsv4_presets.schema --write`` in an environment with vLLM).  A
+test in the vLLM session asserts that the shipped snapshot still equals what
+the installed vLLM builds, so drift is caught rather than trusted.
+
+Each option has a *kind*:
+
+``bool``
+    ``--x`` / ``--no-x`` (argparse ``BooleanOptionalAction``); YAML ``true``/``false``.
+``flag``
+    ``--x`` only (``store_true``); ``false`` means "leave it off".
+``value``
+    ``--x VALUE``; the value's *type* is one of ``int``, ``human-int`` (``16384`` or
+    ``16k``), ``float``, ``str``, ``json`` (a mapping, sent as JSON) or ``json-or-str``.
+``list``
+    ``--x A B C`` (``nargs='+'`` or ``'*'``); YAML list.
+``append``
+    ``--x A --x B``; YAML list.
+``optional``
+    ``--x`` alone or ``--x VALUE`` (``nargs='?'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import yaml
+
+KINDS = ("bool", "flag", "value", "list", "append", "optional")
+TYPES = ("int", "human-int", "float", "str", "json", "json-or-str")
+
+# Snapshot files inside the package (dsv4_presets/data/vllm/).
+SNAPSHOT_FILES = {"serve": "serve-options.yaml", "bench": "bench-serve-options.yaml"}
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One vLLM command-line option, as its parser defines it."""
+
+    name: str
+    """Long option name without the leading ``--`` (e.g. ``kv-cache-dtype``)."""
+    kind: str
+    """One of :data:`KINDS`."""
+    type: str = "str"
+    """One of :data:`TYPES` (ignored for ``bool`` and ``flag``)."""
+    choices: tuple[str, ...] = ()
+    """Accepted values (as strings), empty when any value of ``type`` is accepted."""
+
+
+@dataclass(frozen=True)
+class OptionTable:
+    """All options of one vLLM command (``serve`` or ``bench``)."""
+
+    command: str
+    vllm_version: str
+    options: dict[str, OptionSpec] = field(default_factory=dict)
+    env_vars: tuple[str, ...] = ()
+    """Environment variables vLLM reads (``vllm.envs``); empty for ``bench``."""
+
+    def get(self, name: str) -> OptionSpec | None:
+        """The option called ``name`` (underscores accepted like vLLM does)."""
+        return self.options.get(name.replace("_", "-"))
+
+    def suggest(self, name: str) -> str | None:
+        """The closest known option name, for "did you mean" messages."""
+        found = difflib.get_close_matches(name.replace("_", "-"), self.options, n=1, cutoff=0.75)
+        return found[0] if found else None
+
+    def to_data(self) -> dict[str, Any]:
+        """A YAML-ready mapping (the snapshot file format)."""
+        options: dict[str, Any] = {}
+        for name in sorted(self.options):
+            spec = self.options[name]
+            entry: dict[str, Any] = {"kind": spec.kind}
+            if spec.kind not in ("bool", "flag"):
+                entry["type"] = spec.type
+            if spec.choices:
+                entry["choices"] = list(spec.choices)
+            options[name] = entry
+        data: dict[str, Any] = {
+            "command": self.command,
+            "vllm_version": self.vllm_version,
+            "options": options,
+        }
+        if self.env_vars:
+            data["env_vars"] = list(self.env_vars)
+        return data
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any]) -> OptionTable:
+        """Inverse of :meth:`to_data`."""
+        options = {
+            name: OptionSpec(
+                name=name,
+                kind=str(entry["kind"]),
+                type=str(entry.get("type", "str")),
+                choices=tuple(str(c) for c in entry.get("choices", ())),
+            )
+            for name, entry in data["options"].items()
+        }
+        return cls(
+            command=str(data["command"]),
+            vllm_version=str(data["vllm_version"]),
+            options=options,
+            env_vars=tuple(str(v) for v in data.get("env_vars", ())),
+        )
+
+
+@cache
+def shipped_table(command: str) -> OptionTable:
+    """The option table shipped with this package for ``command`` (``serve`` or ``bench``)."""
+    if command not in SNAPSHOT_FILES:
+        raise ValueError(f"command must be one of {sorted(SNAPSHOT_FILES)}, got {command!r}")
+    text = (
+        resources.files("dsv4_presets")
+        .joinpath("data", "vllm", SNAPSHOT_FILES[command])
+        .read_text(encoding="utf-8")
+    )
+    return OptionTable.from_data(yaml.safe_load(text))
+
+
+# --------------------------------------------------------------------------- #
+# Building a table from a live argparse parser (needs vLLM only to get the parser)
+# --------------------------------------------------------------------------- #
+
+_PROBES = ("1", "1.5", "16k", '{"a": 1}', "{}", "abc")
+
+
+def _probe(fn: Any, text: str) -> tuple[bool, Any]:
+    try:
+        return True, fn(text)
+    except Exception:
+        return False, None
+
+
+def _classify_type(fn: Any) -> str:
+    """Name the value type an argparse ``type=`` callable accepts, by probing it."""
+    if fn is None or fn is str:
+        return "str"
+    results = {text: _probe(fn, text) for text in _PROBES}
+    ok_json, val_json = results['{"a": 1}']
+    if not ok_json or isinstance(val_json, str):
+        # Config dataclasses reject unknown keys but accept an empty mapping.
+        ok_json, val_json = results["{}"]
+    ok_abc, _val_abc = results["abc"]
+    ok_int, val_int = results["1"]
+    ok_float, val_float = results["1.5"]
+    ok_k, val_k = results["16k"]
+    if ok_json and not isinstance(val_json, str) and not ok_abc:
+        return "json"
+    if ok_json and not isinstance(val_json, str) and ok_abc:
+        return "json-or-str"
+    if ok_int and isinstance(val_int, int) and not isinstance(val_int, bool):
+        if ok_k and val_k == 16000:
+            return "human-int"
+        if not ok_float:
+            return "int"
+    if ok_float and isinstance(val_float, float) and not ok_abc:
+        return "float"
+    return "str"
+
+
+def _kind(action: argparse.Action) -> str:
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "bool"
+    if isinstance(action, argparse._StoreTrueAction | argparse._StoreConstAction):
+        return "flag"
+    if isinstance(action, argparse._AppendAction):
+        return "append"
+    if action.nargs in ("+", "*") or (isinstance(action.nargs, int) and action.nargs > 1):
+        return "list"
+    if action.nargs == "?":
+        return "optional"
+    return "value"
+
+
+def snapshot_from_parser(
+    parser: argparse.ArgumentParser,
+    *,
+    command: str,
+    vllm_version: str,
+    env_vars: tuple[str, ...] = (),
+) -> OptionTable:
+    """Read every long option of an argparse parser into an :class:`OptionTable`.
+
+    Help, version and ``--config`` are left out: they are not preset settings.
+    """
+    options: dict[str, OptionSpec] = {}
+    skip = {"help", "version", "config"}
+    for action in parser._actions:
+        longs = [s for s in action.option_strings if s.startswith("--")]
+        if not longs:
+            continue
+        kind = _kind(action)
+        names = [s[2:] for s in longs if not (kind == "bool" and s.startswith("--no-"))]
+        choices: tuple[str, ...] = ()
+        if action.choices is not None:
+            choices = tuple(str(c) for c in action.choices if c is not None)
+        type_name = "str" if kind in ("bool", "flag") else _classify_type(action.type)
+        for name in names:
+            if name in skip:
+                continue
+            options[name] = OptionSpec(name=name, kind=kind, type=type_name, choices=choices)
+    return OptionTable(
+        command=command, vllm_version=vllm_version, options=options, env_vars=env_vars
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Checking and rendering values against a table
+# --------------------------------------------------------------------------- #
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_scalar(spec: OptionSpec, value: object) -> str | None:
+    """``None`` when ``value`` is acceptable for one element of ``spec``, else what is wrong."""
+    if isinstance(value, bool) and spec.type != "str":
+        return f"expected {spec.type}, got the boolean {value!r}"
+    if spec.type == "int":
+        if isinstance(value, int) or (
+            isinstance(value, str) and value.strip().lstrip("-").isdigit()
+        ):
+            pass
+        else:
+            return f"expected an integer, got {value!r}"
+    elif spec.type == "human-int":
+        if isinstance(value, int) or (isinstance(value, str) and _human_int_ok(value)):
+            pass
+        else:
+            return f"expected an integer such as 16384 or 16k, got {value!r}"
+    elif spec.type == "float":
+        if _is_number(value) or (isinstance(value, str) and _float_ok(value)):
+            pass
+        else:
+            return f"expected a number, got {value!r}"
+    elif spec.type == "json":
+        if isinstance(value, Mapping | list) or (isinstance(value, str) and _json_ok(value)):
+            pass
+        else:
+            return f"expected a mapping (sent to vLLM as JSON), got {value!r}"
+    elif spec.type == "json-or-str":
+        if not isinstance(value, Mapping | str):
+            return f"expected a mapping or a string, got {value!r}"
+    else:  # str
+        if isinstance(value, Mapping | list):
+            return f"expected a single value, got {type(value).__name__} {value!r}"
+        if isinstance(value, bool):
+            return f"expected a string, got the boolean {value!r}"
+    if spec.choices and _scalar_text(value) not in spec.choices:
+        shown = ", ".join(spec.choices)
+        return f"{_scalar_text(value)!r} is not one of: {shown}"
+    return None
+
+
+def _human_int_ok(text: str) -> bool:
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return True
+    if len(text) >= 2 and text[-1] in "kKmMgGtT":
+        return _float_ok(text[:-1])
+    return False
+
+
+def _float_ok(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _json_ok(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict | list)
+    except ValueError:
+        return False
+
+
+def check_value(spec: OptionSpec, value: object) -> str | None:
+    """``None`` when ``value`` (as written in YAML) is valid for ``spec``, else the problem."""
+    if spec.kind == "bool":
+        return None if isinstance(value, bool) else f"expected true or false, got {value!r}"
+    if spec.kind == "flag":
+        return None if isinstance(value, bool) else f"expected true or false, got {value!r}"
+    if spec.kind in ("list", "append"):
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            problem = _check_scalar(spec, item)
+            if problem:
+                return problem
+        return None
+    if spec.kind == "optional" and value is True:
+        return None
+    return _check_scalar(spec, value)
+
+
+def _scalar_text(value: object) -> str:
+    """How a YAML scalar is written on the command line."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        if value.is_integer():
+            return str(int(value)) if abs(value) < 1e15 else repr(value)
+        return repr(value)
+    if isinstance(value, Mapping | list):
+        return json.dumps(value)
+    return str(value)
+
+
+def render_option(name: str, value: object, spec: OptionSpec | None) -> list[str]:
+    """The argv words for one option set to ``value`` (empty when it renders to nothing).
+
+    Without a ``spec`` (an option unknown to the table) the value's YAML type
+    decides, as vLLM's own ``--config`` reader does.
+    """
+    flag = f"--{name}"
+    kind = spec.kind if spec else None
+    if isinstance(value, bool) and kind in (None, "bool", "flag", "optional"):
+        if value:
+            return [flag]
+        return [f"--no-{name}"] if kind in (None, "bool") else []
+    if isinstance(value, list) and kind in (None, "list"):
+        return [flag, *(_scalar_text(v) for v in value)] if value else []
+    if isinstance(value, list) and kind == "append":
+        words: list[str] = []
+        for item in value:
+            words += [flag, _scalar_text(item)]
+        return words
+    return [flag, _scalar_text(value)]
+
+
+def config_value(value: object) -> object:
+    """The value as it should appear in a ``vllm serve --config`` YAML file.
+
+    vLLM's reader writes non-bool scalars back with ``str()``, so ``inf`` and
+    plain numbers round-trip; mappings are passed through as nested YAML.
+    """
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def _main(argv: list[str] | None = None) -> int:
+    """``python -m dsv4_presets.schema [--write]``: regenerate the snapshots from vLLM."""
+    parser = argparse.ArgumentParser(description=_main.__doc__)
+    parser.add_argument("--write", action="store_true", help="overwrite the shipped snapshots")
+    args = parser.parse_args(argv)
+    from dsv4_presets import vllm_check  # needs vLLM
+
+    out = resources.files("dsv4_presets").joinpath("data", "vllm")
+    for command in SNAPSHOT_FILES:
+        table = vllm_check.live_table(command)
+        text = (
+            "# Generated by `python -m dsv4_presets.schema --write` from the installed vLLM.\n"
+            "# Do not edit by hand; tests check it against vLLM's real parser.\n"
+            + yaml.safe_dump(table.to_data(), sort_keys=False, width=100)
+        )
+        if args.write:
+            path = out.joinpath(SNAPSHOT_FILES[command])
+            with resources.as_file(path) as real_path:
+                real_path.write_text(text, encoding="utf-8")
+            print(f"wrote {SNAPSHOT_FILES[command]}: {len(table.options)} options")
+        else:
+            sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,79 @@
+"""Validation entry points: our DSV4 rules, then (when available) vLLM's own checks."""
+
+from __future__ import annotations
+
+from dsv4_presets import rules
+from dsv4_presets.findings import Finding, Report
+from dsv4_presets.presets import BenchConfig, ServeConfig
+from dsv4_presets.vllm_exec import vllm_available
+
+
+def check(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -> Report:
+    """Validate a resolved preset and say what was checked.
+
+    ``with_vllm``: ``True`` runs vLLM's parser and checks (and fails with
+    ``RuntimeError`` if vLLM cannot be imported), ``False`` runs only our
+    rules, ``None`` uses vLLM when it is importable.
+
+    A multi-node serve preset is checked once per node: each node's findings
+    are prefixed with the node's name.
+    """
+    use_vllm = vllm_available() if with_vllm is None else bool(with_vllm)
+    if use_vllm and not vllm_available():
+        raise RuntimeError(
+            "with_vllm=True but vLLM is not importable here: install it "
+            "(pip install 'dsv4-presets[vllm]') or pass with_vllm=False"
+        )
+    report = Report()
+    if isinstance(config, BenchConfig):
+        report.findings += rules.check_bench(config)
+        if use_vllm:
+            from dsv4_presets import vllm_check
+
+            found, notes = vllm_check.check_bench(config)
+            report.findings += found
+            report.notes += notes
+            report.vllm_version = vllm_check.vllm_version()
+        else:
+            report.notes.append("vLLM not used: its bench parser was not run")
+        return report
+    if not isinstance(config, ServeConfig):
+        raise TypeError(f"config must be a ServeConfig or BenchConfig, got {type(config).__name__}")
+
+    targets = [config.for_node(n) for n in config.node_names] if config.nodes else [config]
+    per_node: list[list[Finding]] = []
+    for target in targets:
+        found = rules.check_serve(target)
+        if use_vllm and (target.node_spec is None or target.node_spec.serve):
+            from dsv4_presets import vllm_check
+
+            more, notes = vllm_check.check_serve(target)
+            found += more
+            for note in notes:
+                if note not in report.notes:
+                    report.notes.append(note)
+            report.vllm_version = vllm_check.vllm_version()
+        per_node.append(found)
+    seen: set[tuple[str, str, str]] = set()
+    for target, found in zip(targets, per_node, strict=False):
+        for finding in found:
+            # A problem every node has is reported once, without a node prefix.
+            everywhere = all(finding in other for other in per_node)
+            text = finding.message
+            if target.node and not everywhere:
+                text = f"node {target.node}: {text}"
+            key = (finding.level, finding.rule, text)
+            if key not in seen:
+                seen.add(key)
+                report.findings.append(Finding(finding.level, finding.rule, text))
+    if not use_vllm:
+        report.notes.append(
+            "vLLM not used: option names and types were checked against the shipped "
+            "vLLM 0.32 option table only; install vLLM for its parser and registries"
+        )
+    return report
+
+
+def validate(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -> list[Finding]:
+    """The findings (errors and warnings) for a resolved preset; see :func:`check`."""
+    return check(config, with_vllm=with_vllm).findings
