@@ -260,17 +260,10 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _findings(config: Any) -> list[Any]:
-    from .. import presets
+    """Our DSV4 rules plus, when vLLM imports here, vLLM's own parser checks."""
+    from ..validate import validate
 
-    validate = getattr(presets, "validate", None)
-    if validate is None:
-        raise ValueError(
-            "preset validation is not available in this dsv4_presets build; "
-            "pass --no-validate to compare without it"
-        )
-    result = validate(config)
-    found = getattr(result, "findings", result)
-    return list(found)
+    return list(validate(config))
 
 
 def resolve_variant(
@@ -290,6 +283,11 @@ def resolve_variant(
         config = presets.resolve_serve(spec.source, model=model, sets=(*sets, *spec.sets))
     except ValueError as exc:
         raise ValueError(f"{arg}: {exc}") from None
+    if getattr(config, "nodes", ()):
+        raise ValueError(
+            f"{arg}: preset {config.name!r} is a multi-node preset; dsv4 compare starts "
+            "single-node servers on this machine (compare the head node's preset on one node)"
+        )
     merged_env = {**config.env, **dict(env), **dict(spec.env)}
     if spec.vllm is not None:
         vllm = tuple(spec.vllm)
@@ -337,7 +335,9 @@ def resolve_variant(
     )
 
 
-def resolve_bench_spec(name: str, *, sets: Sequence[str], bench_vllm: str | None) -> ResolvedBench:
+def resolve_bench_spec(
+    name: str, *, sets: Sequence[str], bench_vllm: str | None, validate: bool = True
+) -> ResolvedBench:
     """The benchmark both variants run, through the bench presets."""
     from .. import presets
     from ..vllm_exec import vllm_command
@@ -346,6 +346,14 @@ def resolve_bench_spec(name: str, *, sets: Sequence[str], bench_vllm: str | None
         config = presets.resolve_bench(name, sets=tuple(sets))
     except ValueError as exc:
         raise ValueError(f"--bench: {exc}") from None
+    if validate:
+        errors = [f for f in _findings(config) if getattr(f, "level", "error") == "error"]
+        if errors:
+            lines = "\n  ".join(str(f) for f in errors)
+            raise ValueError(
+                f"--bench: the bench preset does not pass validation:\n  {lines}\n"
+                "fix it, or pass --no-validate to compare anyway (recorded in the report)"
+            )
     if bench_vllm is not None:
         words = shlex.split(bench_vllm)
         if not words:
@@ -379,7 +387,9 @@ def _build_campaign(args: argparse.Namespace, out: Path) -> Campaign:
         )
         for letter, text in (("A", args.a), ("B", args.b))
     }
-    bench = resolve_bench_spec(args.bench, sets=args.bench_sets, bench_vllm=args.bench_vllm)
+    bench = resolve_bench_spec(
+        args.bench, sets=args.bench_sets, bench_vllm=args.bench_vllm, validate=validate
+    )
     options = RunOptions(
         host=args.host,
         health_timeout=args.health_timeout,

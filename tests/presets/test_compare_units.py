@@ -1,0 +1,420 @@
+"""dsv4 compare without vLLM: SPEC grammar, run plan, report, process handling, CLI."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsv4_presets.compare import cli, report, runner
+from dsv4_presets.compare.spec import parse_spec, plan_runs
+
+# ---------------------------------------------------------------------------
+# SPEC grammar and run plan
+# ---------------------------------------------------------------------------
+
+
+def test_parse_spec_all_token_kinds() -> None:
+    spec = parse_spec(
+        "h200-tp8-ep max-num-batched-tokens=8192 --block-size=256 env:DSV4_KERNELS_DISABLE=1 "
+        "\"env:NOTE=a b\" vllm:'/opt/old/bin/python -m vllm.entrypoints.cli.main' label:old",
+        variant="B",
+    )
+    assert spec.source == "h200-tp8-ep"
+    assert spec.sets == ("max-num-batched-tokens=8192", "block-size=256")
+    assert spec.env == (("DSV4_KERNELS_DISABLE", "1"), ("NOTE", "a b"))
+    assert spec.vllm == ("/opt/old/bin/python", "-m", "vllm.entrypoints.cli.main")
+    assert spec.label == "old" and spec.display == "old"
+    plain = parse_spec("./my preset.yaml".replace(" ", "\\ "), variant="A")
+    assert plain.source == "./my preset.yaml" and plain.display == "A"
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("", "--a: expected a serve preset"),
+        ("max-num-seqs=1", "--a: the first word"),
+        ("p bogus", "--a: expected KEY=VALUE"),
+        ("p env:1BAD=x", "valid environment variable"),
+        ("p vllm:", "vllm: needs a command"),
+        ("p label:", "label: needs a text"),
+        ("p 'unclosed", "cannot split"),
+    ],
+)
+def test_parse_spec_errors_name_the_argument(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_spec(text, variant="A")
+
+
+def test_plan_runs_labels_and_folders() -> None:
+    runs = plan_runs("aba", 2)
+    assert [r.label for r in runs] == ["A1", "B1", "A2", "A3", "B2", "A4"]
+    assert [r.folder for r in runs][:2] == ["01-A1", "02-B1"]
+    assert [r.variant for r in plan_runs("ABBA")] == ["A", "B", "B", "A"]
+    for pattern, repeats, match in [
+        ("AXA", 1, "only the letters"),
+        ("AAA", 1, "both A and B"),
+        ("", 1, "nothing"),
+        ("ABA", 0, "--repeats"),
+        ("AB", 150, "exceed"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            plan_runs(pattern, repeats)
+
+
+# ---------------------------------------------------------------------------
+# Report from constructed run folders (the seed's numbers)
+# ---------------------------------------------------------------------------
+
+
+def _bench_json(throughput: float, tpots_ms: list[float], output_len: int = 5) -> dict[str, Any]:
+    # Per-request data consistent with the TPOTs: latency = ttft + tpot * (n - 1).
+    ttft = 0.05
+    lat = [ttft + t / 1000.0 * (output_len - 1) for t in tpots_ms]
+    return {
+        "completed": len(tpots_ms),
+        "failed": 0,
+        "num_prompts": len(tpots_ms),
+        "output_throughput": throughput,
+        "mean_tpot_ms": sum(tpots_ms) / len(tpots_ms),
+        "mean_itl_ms": sum(tpots_ms) / len(tpots_ms),
+        "latencies": lat,
+        "ttfts": [ttft] * len(tpots_ms),
+        "output_lens": [output_len] * len(tpots_ms),
+        "itls": [[t / 1000.0] * (output_len - 1) for t in tpots_ms],
+        "errors": [""] * len(tpots_ms),
+    }
+
+
+def _write_campaign(out: Path, runs: list[tuple[str, str, dict[str, Any] | None, str]]) -> None:
+    """runs: (label, variant, bench json or None, status)."""
+    planned = []
+    for i, (label, variant, bench, status) in enumerate(runs, start=1):
+        folder = f"{i:02d}-{label}"
+        planned.append({"index": i, "label": label, "variant": variant, "folder": folder})
+        if status == "not run":
+            continue
+        d = out / "runs" / folder
+        d.mkdir(parents=True)
+        result: dict[str, Any] = {"label": label, "variant": variant, "status": status}
+        if bench is not None:
+            (d / "bench.json").write_text(json.dumps(bench))
+            result["metrics"] = runner.read_bench_metrics(bench)
+        result["reason"] = None if status == "ok" else "health timeout: constructed"
+        (d / "result.json").write_text(json.dumps(result))
+    manifest = {
+        "runs": planned,
+        "variants": {
+            "A": {"spec": {"text": "h200-tp8-ep", "label": "256 workers"}, "preset": "h200-tp8-ep"},
+            "B": {"spec": {"text": "h200-tp8-ep env:X=1", "label": None}, "preset": "h200-tp8-ep"},
+        },
+        "bench": {"name": "random-1024-64", "num_prompts": 4},
+    }
+    (out / "campaign.json").write_text(json.dumps(manifest))
+
+
+def test_report_seed_numbers(tmp_path: Path) -> None:
+    _write_campaign(
+        tmp_path,
+        [
+            ("A1", "A", _bench_json(638.67, [102.0, 102.52, 102.26, 102.26]), "ok"),
+            ("B1", "B", _bench_json(629.61, [104.8, 104.6, 105.0, 104.8]), "ok"),
+            ("A2", "A", _bench_json(639.44, [101.88, 101.88, 101.5, 102.26]), "ok"),
+        ],
+    )
+    rep, text = report.write_report(tmp_path, resamples=200, plot=False)
+    assert "| A1 | 256 workers | 638.67 tokens/s | 102.26 ms |" in text
+    assert "| B1 | B | 629.61 tokens/s | 104.80 ms |" in text
+    (pair,) = rep["pairs"]
+    assert pair["a"] == ["A1", "A2"]
+    assert pair["output_throughput"]["a_mean"] == pytest.approx(639.055)
+    assert pair["output_throughput"]["relative_change_pct"] == pytest.approx(-1.4779636, abs=1e-6)
+    assert pair["mean_tpot_ms"]["relative_change_pct"] == pytest.approx(2.6746351, abs=1e-6)
+    assert "(-1.48%)" in text and "(+2.67%)" in text
+    # One pair: the paired interval is undefined, and the report says so.
+    paired = rep["summary"]["output_throughput"]["paired_interval"]
+    assert paired["low"] is None and "one pair" in paired["undefined_reason"]
+    assert "interval undefined: only one pair" in text
+    # The request bootstrap is defined and brackets its estimate, which equals the pair change
+    # computed from the per-request TPOTs (their means are the runs' mean TPOT).
+    boot = rep["summary"]["mean_tpot_ms"]["request_bootstrap"]
+    assert boot["estimate"] == pytest.approx(2.6746351, abs=1e-6)
+    assert boot["low"] <= boot["estimate"] <= boot["high"]
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["pairs"] == json.loads(json.dumps(rep["pairs"]))
+    assert (tmp_path / "report.md").read_text() == text
+
+
+def test_report_excludes_failed_and_unrun_runs(tmp_path: Path) -> None:
+    _write_campaign(
+        tmp_path,
+        [
+            ("A1", "A", _bench_json(100.0, [10.0, 10.0]), "ok"),
+            ("B1", "B", None, "failed"),
+            ("A2", "A", _bench_json(110.0, [9.0, 9.0]), "ok"),
+            ("A3", "A", _bench_json(105.0, [9.5, 9.5]), "ok"),
+            ("B2", "B", _bench_json(90.0, [11.0, 11.0]), "ok"),
+            ("A4", "A", None, "not run"),
+        ],
+    )
+    rep, text = report.write_report(tmp_path, resamples=100, plot=False)
+    assert rep["failed_runs"] == ["B1"]
+    assert rep["not_run"] == ["A4"]
+    assert "| B1 | B | FAILED: health timeout: constructed" in text
+    # B2 pairs with A3 only (A4 has not run); B1 is failed and absent from the pairs.
+    (pair,) = rep["pairs"]
+    assert pair["b"] == "B2" and pair["a"] == ["A3"] and pair["a_failed"] == ["A4"]
+    assert pair["output_throughput"]["relative_change_pct"] == pytest.approx(
+        (90.0 - 105.0) / 105.0 * 100
+    )
+    assert "Failed runs (never averaged in)" in text
+
+
+def test_report_plot_written(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    _write_campaign(
+        tmp_path,
+        [
+            ("A1", "A", _bench_json(100.0, [10.0, 10.0]), "ok"),
+            ("B1", "B", None, "failed"),
+            ("A2", "A", _bench_json(110.0, [9.0, 9.0]), "ok"),
+        ],
+    )
+    rep, _ = report.write_report(tmp_path, resamples=50, plot=True)
+    png = tmp_path / "report.png"
+    assert rep["plot"] == "report.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_per_request_tpot_matches_vllm_definition() -> None:
+    bench = {
+        "latencies": [1.0, 2.0, 0.5, 3.0],
+        "ttfts": [0.1, 0.2, 0.5, 0.0],
+        "output_lens": [10, 5, 1, 0],
+        "errors": ["", "", "", "boom"],
+        "itls": [[0.1] * 9, [0.45] * 4, [], []],
+    }
+    assert report.per_request_tpot_ms(bench) == [
+        [pytest.approx(100.0)],
+        [pytest.approx(450.0)],
+    ]
+    itl = report.per_request_itl_ms(bench)
+    assert len(itl) == 2 and itl[1] == [pytest.approx(450.0)] * 4
+
+
+def test_bench_failure_rules() -> None:
+    assert runner.bench_failure({"completed": 8, "failed": 0}, 8) is None
+    why = runner.bench_failure({"completed": 6, "failed": 2, "errors": ["", "HTTP 500"]}, 8)
+    assert why is not None and "2 of 8 requests failed" in why and "HTTP 500" in why
+    assert "only 5 of 8" in (runner.bench_failure({"completed": 5, "failed": 0}, 8) or "")
+    assert "no 'completed'" in (runner.bench_failure({}, 8) or "")
+
+
+def test_report_only_needs_a_campaign(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--report-only", "--out", str(tmp_path)]) == 2
+    assert "campaign.json" in capsys.readouterr().err
+    assert cli.main(["--report-only"]) == 2
+
+
+# ---------------------------------------------------------------------------
+# Process handling on real (non-vLLM) processes
+# ---------------------------------------------------------------------------
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_stop_process_group_stops_children(tmp_path: Path) -> None:
+    proc = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
+    time.sleep(0.3)
+    info = runner.stop_process_group(proc, grace=10)
+    assert info["stopped_by"] == "SIGTERM"
+    assert not _group_alive(proc.pid)
+
+
+def test_stop_process_group_kills_after_grace(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        ["sh", "-c", "trap '' TERM; while true; do sleep 0.1; done"], start_new_session=True
+    )
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    info = runner.stop_process_group(proc, grace=1.0)
+    assert info["stopped_by"] == "SIGKILL after grace"
+    assert time.monotonic() - t0 >= 1.0
+    assert not _group_alive(proc.pid)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_kill_orphan_only_touches_the_recorded_command(tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", "import time; time.sleep(300)", "dsv4-orphan-test"]
+    proc = subprocess.Popen(argv, start_new_session=True)
+    try:
+        time.sleep(0.3)
+        wrong = tmp_path / "wrong.pid"
+        wrong.write_text(json.dumps({"pid": proc.pid, "argv": [*argv[:-1], "other"]}))
+        assert runner.kill_orphan(wrong, grace=5) is None
+        assert proc.poll() is None
+        right = tmp_path / "right.pid"
+        right.write_text(json.dumps({"pid": proc.pid, "argv": argv}))
+        what = runner.kill_orphan(right, grace=5)
+        assert what is not None and str(proc.pid) in what
+        proc.wait(timeout=10)
+        assert not _group_alive(proc.pid)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_free_port_is_bindable() -> None:
+    import socket
+
+    port = runner.free_port("127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_recorded_environment_drops_credentials() -> None:
+    env = {"VLLM_X": "1", "HF_TOKEN": "secret", "DSV4_KERNELS_DISABLE": "1", "HOME": "/root"}
+    assert runner.recorded_environment(env) == {"DSV4_KERNELS_DISABLE": "1", "VLLM_X": "1"}
+
+
+# ---------------------------------------------------------------------------
+# CLI through the presets module (no vLLM needed for a dry run)
+# ---------------------------------------------------------------------------
+
+
+def _write_presets(tmp_path: Path) -> tuple[Path, Path]:
+    serve = tmp_path / "tiny.yaml"
+    serve.write_text(
+        "model: /models/tiny\nload-format: dummy\nmax-model-len: 256\nmax-num-seqs: 8\n"
+    )
+    bench = tmp_path / "bench.yaml"
+    bench.write_text(
+        "backend: vllm\ndataset-name: random\nrandom-input-len: 32\nrandom-output-len: 8\n"
+        "num-prompts: 4\nnum-warmups: 1\nrequest-rate: inf\nignore-eos: true\n"
+    )
+    return serve, bench
+
+
+def test_cli_dry_run_renders_both_variants(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DSV4_VLLM", "myvllm --flag")
+    serve, bench = _write_presets(tmp_path)
+    code = cli.main(
+        [
+            "--a", str(serve),
+            "--b", f"{serve} max-num-seqs=1 env:DSV4_KERNELS_DISABLE=1 vllm:othervllm label:one",
+            "--bench", str(bench),
+            "--no-validate", "--dry-run", "--out", str(tmp_path / "camp"),
+        ]
+    )  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0
+    lines = captured.out.splitlines()
+    servers = [line for line in lines if line.strip().startswith("server:")]
+    assert servers[0].split("server: ")[1].startswith("myvllm --flag serve /models/tiny")
+    assert "--max-num-seqs 8" in servers[0]
+    assert servers[1].split("server: ")[1].startswith("othervllm serve /models/tiny")
+    assert "--max-num-seqs 1" in servers[1]
+    assert "env: DSV4_KERNELS_DISABLE=1" in captured.out
+    bench_line = next(line for line in lines if line.startswith("bench:"))
+    assert "myvllm --flag bench serve" in bench_line
+    assert "--num-prompts 4" in bench_line and "--save-detailed" in bench_line
+    assert "--result-filename bench.json" in bench_line
+    assert "runs: A1 B1 A2" in captured.out
+    assert "validation skipped (--no-validate)" in captured.err
+    assert not (tmp_path / "camp").exists()  # a dry run starts and writes nothing
+
+
+def test_cli_bad_input_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    serve, bench = _write_presets(tmp_path)
+    assert cli.main(["--a", str(serve), "--bench", str(bench), "--no-validate"]) == 2
+    assert "--a and --b" in capsys.readouterr().err
+    args = ["--a", str(serve), "--b", f"{serve} nonsense", "--bench", str(bench), "--no-validate"]
+    assert cli.main(args) == 2
+    assert "--b: expected KEY=VALUE" in capsys.readouterr().err
+    args = ["--a", str(tmp_path / "missing.yaml"), "--b", str(serve), "--no-validate"]
+    assert cli.main([*args, "--bench", str(bench)]) == 2
+    assert "--a:" in capsys.readouterr().err
+    args = ["--a", str(serve), "--b", str(serve), "--pattern", "AXB", "--no-validate"]
+    assert cli.main(args) == 2
+    assert "--pattern" in capsys.readouterr().err
+
+
+def test_cli_resume_refuses_a_different_campaign(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    serve, bench = _write_presets(tmp_path)
+    out = tmp_path / "camp"
+    out.mkdir()
+    (out / "campaign.json").write_text(json.dumps({"identity": {"runs": [["A1", "A"]]}}))
+    args = ["--a", str(serve), "--b", f"{serve} max-num-seqs=2", "--bench", str(bench)]
+    assert cli.main([*args, "--no-validate", "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a different campaign" in err and "runs" in err
+    assert not (out / "runs").exists()
+
+
+def _no() -> bool:
+    return False
+
+
+def test_cli_validation_rejects_non_dsv4_preset_unless_skipped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only our rules here (vLLM's parser is exercised in the vllm session).
+    monkeypatch.setattr(importlib.import_module("dsv4_presets.validate"), "vllm_available", _no)
+    serve, bench = _write_presets(tmp_path)
+    args = ["--a", str(serve), "--b", f"{serve} max-num-seqs=1", "--bench", str(bench)]
+    assert cli.main([*args, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "--a: the preset does not pass validation" in err
+    assert "kv-cache-dtype" in err and "--no-validate" in err
+    assert cli.main([*args, "--dry-run", "--no-validate"]) == 0
+    assert "validation skipped" in capsys.readouterr().out
+
+
+def test_cli_shipped_preset_passes_rules_and_differs_only_by_env(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(importlib.import_module("dsv4_presets.validate"), "vllm_available", _no)
+    code = cli.main(
+        ["--a", "h200-tp8-ep", "--b", "h200-tp8-ep env:DSV4_KERNELS_DISABLE=1", "--dry-run"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    servers = [line.split("server: ")[1] for line in out.splitlines() if "server: " in line]
+    assert len(servers) == 2 and servers[0] == servers[1]
+    assert "--kv-cache-dtype fp8 --block-size 256" in servers[0]
+    assert out.count("validation passed") == 2
+    assert "env: DSV4_KERNELS_DISABLE=1" in out
+
+
+def test_cli_multi_node_preset_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--a", "dp16-ep-2node", "--b", "h200-tp8-ep", "--dry-run"]) == 2
+    assert "multi-node" in capsys.readouterr().err
+
+
+def test_dsv4_command_registers_compare(capsys: pytest.CaptureFixture[str]) -> None:
+    from dsv4_presets.cli import main as dsv4_main
+
+    with pytest.raises(SystemExit) as exc:
+        dsv4_main(["compare", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert "env:NAME=VALUE" in text and "--pattern" in text and "--no-validate" in text
