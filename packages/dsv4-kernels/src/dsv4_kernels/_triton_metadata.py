@@ -71,31 +71,21 @@ def _combine_topk_swa_indices_kernel(
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < num_tokens
 
-    # Each token's request and that request's metadata in one round of
-    # independent loads: a tile of requests is loaded whole and every token
-    # picks its request with a one-hot match (start <= t < end), so there is
-    # no dependent search and no second gather.  Zero-length requests never
-    # match.  More requests than BLOCK_R take more (independent) tiles.
+    # Request of each token: the number of request ends qsl[1..B] <= t + qsl[0],
+    # counted over small tiles of requests (one tile for typical batches);
+    # zero-length requests fall out naturally.  Then one round of gathers.
     qs0 = tl.load(qsl_ptr)
     x = toks + qs0
     req = tl.zeros([BLOCK_T], dtype=tl.int32)
-    q_start = tl.zeros([BLOCK_T], dtype=tl.int32)
-    q_end = tl.zeros([BLOCK_T], dtype=tl.int32)
-    seq_len = tl.zeros([BLOCK_T], dtype=tl.int32)
-    gather_len = tl.zeros([BLOCK_T], dtype=tl.int32)
     for r0 in range(0, num_reqs, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = r < num_reqs
-        starts = tl.load(qsl_ptr + r, mask=r_ok, other=0)
-        ends = tl.load(qsl_ptr + r + 1, mask=r_ok, other=0)
-        seqs = tl.load(seq_lens_ptr + r, mask=r_ok, other=0)
-        gathers = tl.load(gather_lens_ptr + r, mask=r_ok, other=0)
-        hit = (starts[None, :] <= x[:, None]) & (x[:, None] < ends[None, :])
-        req += tl.sum(tl.where(hit, r[None, :], 0), axis=1)
-        q_start += tl.sum(tl.where(hit, starts[None, :], 0), axis=1)
-        q_end += tl.sum(tl.where(hit, ends[None, :], 0), axis=1)
-        seq_len += tl.sum(tl.where(hit, seqs[None, :], 0), axis=1)
-        gather_len += tl.sum(tl.where(hit, gathers[None, :], 0), axis=1)
+        r = r0 + 1 + tl.arange(0, BLOCK_R)
+        ends = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=2147483647)
+        req += tl.sum((ends[None, :] <= x[:, None]).to(tl.int32), axis=1)
+    req = tl.minimum(req, num_reqs - 1)
+    q_start = tl.load(qsl_ptr + req, mask=tok_ok, other=0)
+    q_end = tl.load(qsl_ptr + req + 1, mask=tok_ok, other=0)
+    seq_len = tl.load(seq_lens_ptr + req, mask=tok_ok, other=0)
+    gather_len = tl.load(gather_lens_ptr + req, mask=tok_ok, other=0)
 
     pos = seq_len - (q_end - q_start) + (x - q_start)
     if RATIO > 0:
@@ -114,27 +104,23 @@ def _combine_topk_swa_indices_kernel(
     if pid_c == 0:
         tl.store(lens_ptr + toks, total, mask=tok_ok)
 
-    base = req.to(tl.int64) * M
-    swa_first = base + N + (swa_start - (seq_len - gather_len))
-
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    c = cols[None, :]
-    in_topk = c < topk_len[:, None]
+    # Per-row constants, so each element costs a handful of int32 operations.
+    # Output values are int32 (as vLLM's); row offsets are 64-bit.
+    base = req * M
+    swa_shift = base + N + swa_start - (seq_len - gather_len) - topk_len
     rows64 = toks.to(tl.int64)[:, None]
+    c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+    in_topk = c < topk_len[:, None]
     if HAS_TOPK:
         local = tl.load(
             topk_ptr + rows64 * topk_stride + c, mask=in_topk & tok_ok[:, None], other=-1
         )
     else:
-        local = c + tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.int32)
-    top = tl.where((local >= 0) & (local < N), base[:, None] + local, -1)
-    swa = swa_first[:, None] + (c - topk_len[:, None])
-    value = tl.where(in_topk, top, tl.where(c < total[:, None], swa, -1))
-    tl.store(
-        out_ptr + rows64 * out_stride + c,
-        value.to(tl.int32),
-        mask=tok_ok[:, None] & (c < row_width),
-    )
+        local = c
+    # 0 <= local < N in one unsigned comparison (negative entries wrap above N).
+    top = tl.where(local.to(tl.uint32) < N.to(tl.uint32), base[:, None] + local, -1)
+    value = tl.where(in_topk, top, tl.where(c < total[:, None], swa_shift[:, None] + c, -1))
+    tl.store(out_ptr + rows64 * out_stride + c, value, mask=tok_ok[:, None] & (c < row_width))
 
 
 GLOBAL_RUNTIME_ARGS = [
@@ -185,13 +171,16 @@ def _global_topk_indices_kernel(
             mask=tok_ok[:, None] & valid_tok[:, None] & col_ok,
             other=-1,
         )
-        page = local // BLOCK_SIZE
-        live = (local >= 0) & (page < num_pages)
-        block = tl.load(table_row + page, mask=live, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + (local - page * BLOCK_SIZE)
+        # Unsigned: a negative entry wraps to a page far past the table, so one
+        # comparison rejects negatives and pages past the table alike.
+        ul = local.to(tl.uint32)
+        page = ul // BLOCK_SIZE
+        live = page < num_pages.to(tl.uint32)
+        block = tl.load(table_row + page.to(tl.int32), mask=live, other=0)
+        slot = block * BLOCK_SIZE + (ul % BLOCK_SIZE).to(tl.int32)
         tl.store(
             out_ptr + rows64 * out_stride + c,
-            tl.where(live, slot, -1).to(tl.int32),
+            tl.where(live, slot, -1),
             mask=tok_ok[:, None] & col_ok,
         )
         count += tl.sum(live.to(tl.int32), axis=1)

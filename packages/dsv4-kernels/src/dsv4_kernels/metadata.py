@@ -27,7 +27,7 @@ __all__ = ["combine_topk_swa_indices", "compute_global_topk_indices_and_lens"]
 # Tile sizes (compile-time constants, tuned on an H200; see docs/kernels.md).
 COMBINE_BLOCK_T = 8
 COMBINE_BLOCK_C = 128
-COMBINE_BLOCK_R = 128
+COMBINE_BLOCK_R = 16
 COMBINE_NUM_WARPS = 4
 GLOBAL_BLOCK_T = 4
 GLOBAL_BLOCK_K = 256
