@@ -330,7 +330,7 @@ def rule_gpus_per_node(config: ServeConfig) -> list[Finding]:
             "error",
             "gpus-per-node",
             f"this node would run tensor-parallel {tp} x pipeline-parallel {pp} x "
-            f"local data-parallel {dp_local} = {need} GPUs, but a {gpu} node has {gpus}: "
+            f"local data-parallel {dp_local} = {need} GPUs, but the node has {gpus} {gpu} GPUs: "
             "lower tensor-parallel-size or data-parallel-size-local",
         )
     ]

@@ -1,0 +1,254 @@
+"""The dsv4 command: validate, serve (exec), bench (run + result check), without vLLM."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dsv4_presets import resolve_serve
+from dsv4_presets.bench import BenchResultError, read_bench_result, summary_lines
+from dsv4_presets.cli import build_parser, main
+
+
+def test_every_subcommand_sets_func():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    for name, sp in sub.choices.items():
+        assert callable(sp.get_default("func")), name
+    assert {"presets", "render", "validate", "serve", "bench"} <= set(sub.choices)
+
+
+def test_validate_cli(capsys):
+    assert main(["validate", "h200-tp8-ep", "--vllm", "no"]) == 0
+    out = capsys.readouterr().out
+    assert "h200-tp8-ep: OK - 0 error(s), 0 warning(s)" in out
+    assert main(["validate", "h200-tp8-ep", "--vllm", "no", "--set", "block-size=64"]) == 1
+    captured = capsys.readouterr()
+    assert "error: [block-size-256] block-size is 64" in captured.err
+    assert "FAILED - 1 error(s)" in captured.out
+    # A warning passes unless --strict.
+    argv = ["validate", "h200-tp8-ep", "--vllm", "no", "--set", "enable-prefix-caching=true"]
+    assert main(argv) == 0
+    assert main([*argv, "--strict"]) == 1
+    capsys.readouterr()
+    assert main(["validate", "--rules"]) == 0
+    assert "kv-cache-fp8" in capsys.readouterr().out
+
+
+def test_bad_preset_is_a_usage_error(capsys):
+    assert main(["validate", "nope", "--vllm", "no"]) == 2
+    assert "dsv4: error: unknown preset 'nope'" in capsys.readouterr().err
+    assert main(["render", "h200-tp8-ep", "--set", "oops"]) == 2
+    assert "--set expects key=value" in capsys.readouterr().err
+
+
+def test_render_config_and_env_cli(capsys):
+    import yaml
+
+    assert main(["render", "h200-tp8-ep", "--format", "config"]) == 0
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert data == resolve_serve("h200-tp8-ep").to_config()
+    argv = ["render", "h200-tp8-ep", "--format", "env", "--set", "env.VLLM_LOGGING_LEVEL=DEBUG"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "VLLM_LOGGING_LEVEL=DEBUG" in out.splitlines()
+    assert main(["render", "h200-tp8-ep", "--format", "env", "--set", "env.VLLM_X=1"]) == 1
+    assert "[unknown-env]" in capsys.readouterr().err
+
+
+def test_serve_dry_run_and_exec(monkeypatch, capsys):
+    monkeypatch.setenv("DSV4_VLLM", "/opt/vllm/bin/vllm")
+    assert main(["serve", "h200-tp8-ep", "--dry-run"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert shlex.split(out) == [
+        "/opt/vllm/bin/vllm",
+        "serve",
+        *resolve_serve("h200-tp8-ep").to_argv(),
+    ]
+
+    calls = []
+
+    def fake_exec(path, argv, env):
+        calls.append((path, argv, env))
+        raise SystemExit(0)
+
+    monkeypatch.setattr("os.execvpe", fake_exec)
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    with pytest.raises(SystemExit):
+        main(
+            ["serve", "h200-tp8-ep", "--set", "env.VLLM_LOGGING_LEVEL=DEBUG", "--set", "port=9001"]
+        )
+    (path, argv, env) = calls[0]
+    assert path == "/opt/vllm/bin/vllm"
+    assert argv[:3] == ["/opt/vllm/bin/vllm", "serve", "deepseek-ai/DeepSeek-V4-Flash-0731"]
+    assert argv[argv.index("--port") + 1] == "9001"
+    assert env["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_serve_refuses_errors_and_multi_node_without_node(monkeypatch, capsys):
+    monkeypatch.setattr("dsv4_presets.cli.vllm_available", lambda: False)
+    import importlib
+
+    validate_module = importlib.import_module("dsv4_presets.validate")
+    monkeypatch.setattr(validate_module, "vllm_available", lambda: False)
+    monkeypatch.setattr("os.execvpe", lambda *a: pytest.fail("must not exec"))
+    assert main(["serve", "h200-tp8-ep", "--set", "kv-cache-dtype=auto"]) == 1
+    assert "not serving" in capsys.readouterr().err
+    assert main(["serve", "dp16-ep-2node", "--set", "data-parallel-address=a"]) == 2
+    assert "pass --node NAME" in capsys.readouterr().err
+    argv = ["serve", "dp16-ep-ray", "--node", "worker", "--set", "data-parallel-address=10.0.0.2"]
+    assert main(argv) == 2
+    assert "ray start --address=10.0.0.2:6379 --block" in capsys.readouterr().err
+    assert main(["serve", "random-1024-64"]) == 2
+    assert "use `dsv4 bench`" in capsys.readouterr().err
+
+
+FAKE_VLLM = textwrap.dedent(
+    """
+    import json, os, sys
+    args = sys.argv[1:]
+    assert args[:2] == ["bench", "serve"], args
+    def opt(name):
+        return args[args.index(name) + 1]
+    mode = os.environ["FAKE_MODE"]
+    with open(os.environ["FAKE_LOG"], "w") as f:
+        json.dump(args, f)
+    if mode == "crash":
+        sys.exit(3)
+    os.makedirs(opt("--result-dir"), exist_ok=True)
+    n = int(opt("--num-prompts"))
+    result = {"completed": n, "failed": 0, "num_prompts": n, "output_throughput": 640.5,
+              "mean_tpot_ms": 101.9, "errors": []}
+    if mode == "failed":
+        result.update(completed=n - 2, failed=2, errors=["", "HTTP 500: boom"])
+    if mode == "short":
+        result.update(completed=n - 1)
+    if mode != "nofile":
+        with open(os.path.join(opt("--result-dir"), opt("--result-filename")), "w") as f:
+            json.dump(result, f)
+    """
+)
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_VLLM)
+    monkeypatch.setenv("DSV4_VLLM", f"{shlex.quote(sys.executable)} {shlex.quote(str(script))}")
+    monkeypatch.setenv("FAKE_LOG", str(tmp_path / "argv.json"))
+    return tmp_path
+
+
+def run_bench(tmp_path: Path, mode: str, monkeypatch, *extra: str) -> int:
+    monkeypatch.setenv("FAKE_MODE", mode)
+    return main(
+        [
+            "bench",
+            "random-1024-64",
+            "--base-url",
+            "http://127.0.0.1:8123",
+            "--model",
+            "dsv4",
+            "--result-dir",
+            str(tmp_path / "res"),
+            "--result-filename",
+            f"{mode}.json",
+            *extra,
+        ]
+    )
+
+
+def test_bench_success(fake_vllm, monkeypatch, capsys):
+    assert run_bench(fake_vllm, "ok", monkeypatch, "--set", "num-prompts=16") == 0
+    out = capsys.readouterr().out
+    assert "random-1024-64: OK - 16 of 16 requests" in out
+    assert "output_throughput" in out
+    argv = json.loads((fake_vllm / "argv.json").read_text())
+    assert argv[argv.index("--result-filename") + 1] == "ok.json"
+    assert "--save-result" in argv and argv[argv.index("--model") + 1] == "dsv4"
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"),
+    [
+        ("failed", "2 of 128 requests failed; first error: HTTP 500: boom"),
+        ("short", "only 127 of 128 requests completed"),
+        ("nofile", "saved no result"),
+        ("crash", "exited with status 3"),
+    ],
+)
+def test_bench_failures(fake_vllm, monkeypatch, capsys, mode, message):
+    rc = run_bench(fake_vllm, mode, monkeypatch)
+    assert rc != 0
+    assert message in capsys.readouterr().err
+
+
+def test_bench_dry_run_and_unreachable_server(capsys, tmp_path):
+    argv = [
+        "bench",
+        "random-1024-64",
+        "--base-url",
+        "http://127.0.0.1:9/",
+        "--model",
+        "m",
+        "--dry-run",
+        "--result-filename",
+        "x.json",
+    ]
+    assert main(argv) == 0
+    words = shlex.split(capsys.readouterr().out)
+    assert words[:3] == ["vllm", "bench", "serve"]
+    assert words[words.index("--base-url") + 1] == "http://127.0.0.1:9"
+    # No --model and nothing listening: a clear error, not a traceback.
+    assert main(["bench", "random-1024-64", "--base-url", "http://127.0.0.1:9"]) == 1
+    assert "pass --model" in capsys.readouterr().err
+
+
+def test_read_bench_result_directly(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"completed": 4, "failed": 0, "mean_ttft_ms": 12.5}))
+    data = read_bench_result(path, expected_prompts=4)
+    assert data["completed"] == 4
+    assert any("mean_ttft_ms" in line and "12.50 ms" in line for line in summary_lines(data))
+    with pytest.raises(BenchResultError, match="only 4 of 5"):
+        read_bench_result(path, expected_prompts=5)
+    path.write_text("[1, 2]")
+    with pytest.raises(BenchResultError, match="not a JSON object"):
+        read_bench_result(path, expected_prompts=1)
+    path.write_text("{")
+    with pytest.raises(BenchResultError, match="cannot read"):
+        read_bench_result(path, expected_prompts=1)
+    with pytest.raises(ValueError, match="expected_prompts"):
+        read_bench_result(path, expected_prompts=0)
+
+
+def test_served_model_from_a_real_http_server(tmp_path):
+    import http.server
+    import threading
+
+    from dsv4_presets.bench import served_model
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "served-dsv4"}]}).encode()
+            self.send_response(200 if self.path == "/v1/models" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert served_model(f"http://127.0.0.1:{server.server_port}/") == "served-dsv4"
+    finally:
+        server.shutdown()
+        server.server_close()

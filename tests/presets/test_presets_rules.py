@@ -1,0 +1,192 @@
+"""Every rule with a passing and a failing case, checked without vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dsv4_presets import Finding, resolve_bench, resolve_serve, validate
+from dsv4_presets.presets import bench_preset_names, serve_preset_names
+from dsv4_presets.rules import SERVE_RULES
+
+ADDR = "data-parallel-address=10.0.0.1"
+
+
+def rules_hit(findings: list[Finding], level: str | None = None) -> set[str]:
+    return {f.rule for f in findings if level is None or f.level == level}
+
+
+def serve(name: str = "h200-tp8-ep", *sets: str, **kw):
+    return resolve_serve(name, sets=list(sets), **kw)
+
+
+@pytest.mark.parametrize("name", serve_preset_names())
+def test_every_shipped_serve_preset_passes(name):
+    findings = validate(serve(name, ADDR), with_vllm=False)
+    assert findings == []
+
+
+@pytest.mark.parametrize("name", bench_preset_names())
+def test_every_shipped_bench_preset_passes(name):
+    assert validate(resolve_bench(name), with_vllm=False) == []
+
+
+# (rule, overrides that break it, text the message must contain to say what to change)
+FAILING = [
+    ("kv-cache-fp8", ["kv-cache-dtype=auto"], "set kv-cache-dtype: fp8"),
+    ("kv-cache-fp8", ["kv-cache-dtype=fp8_e5m2"], "set kv-cache-dtype: fp8"),
+    ("kv-cache-fp8", ["kv-cache-dtype=null"], "set kv-cache-dtype: fp8"),
+    ("block-size-256", ["block-size=128"], "set block-size: 256"),
+    ("block-size-256", ["block-size=null"], "set block-size: 256"),
+    ("blackwell-only", ["moe-backend=flashinfer_trtllm"], "remove moe-backend"),
+    (
+        "blackwell-only",
+        ["attention-backend=FLASHINFER_MLA_SPARSE_DSV4"],
+        "remove attention-backend",
+    ),
+    ("speculative-method", ["speculative-config.method=eagle3"], "use method: mtp"),
+    ("speculative-method", ["speculative-config.method=dspark"], "use method: mtp"),
+    ("tp-fp8-alignment", ["tensor-parallel-size=3"], "use one of 1, 2, 4, 8, 16, 32, 64"),
+    ("tp-fp8-alignment", ["tensor-parallel-size=6"], "64 attention heads"),
+    ("auto-tool-choice-parser", ["tool-call-parser=null"], "set tool-call-parser: deepseek_v4"),
+    ("checkpoint-parsers", ["reasoning-parser=deepseek_r1"], "set reasoning-parser: deepseek_v4"),
+    ("checkpoint-parsers", ["tokenizer-mode=hf"], "set tokenizer-mode: deepseek_v4"),
+    ("gpus-per-node", ["data-parallel-size=2"], "lower tensor-parallel-size"),
+    ("unknown-option", ["kv-cache-dtyp=fp8"], "did you mean 'kv-cache-dtype'?"),
+    ("unknown-option", ["enable-expert-paralel=true"], "did you mean 'enable-expert-parallel'?"),
+    ("bad-value", ["tensor-parallel-size=eight"], "expected an integer"),
+    ("bad-value", ["enable-expert-parallel=yes-please"], "expected true or false"),
+    ("bad-value", ["dtype=fp4"], "is not one of"),
+    ("bad-value", ["speculative-config=7"], "expected a mapping"),
+    ("bad-value", ["max-num-batched-tokens=lots"], "16384 or 16k"),
+    ("unknown-env", ["env.VLLM_USE_DEEPGEM=1"], "not one vLLM"),
+]
+
+
+@pytest.mark.parametrize(("rule", "sets", "fix"), FAILING)
+def test_rule_fails_with_a_message_that_says_what_to_change(rule, sets, fix):
+    findings = validate(serve("h200-tp8-ep", *sets), with_vllm=False)
+    hits = [f for f in findings if f.rule == rule]
+    assert hits, findings
+    assert all(f.level == "error" for f in hits)
+    assert any(fix in f.message for f in hits), [f.message for f in hits]
+
+
+# Overrides that look related to a rule but are fine.
+PASSING = [
+    ("kv-cache-fp8", ["kv-cache-dtype=fp8_ds_mla"]),
+    ("block-size-256", ["block-size=256"]),
+    ("speculative-method", ["speculative-config.method=mtp"]),
+    ("speculative-method", ["speculative-config.method=deepseek_mtp"]),
+    ("speculative-method", ["speculative-config.method=ngram"]),
+    ("speculative-method", ["speculative-config.method=eagle3", "speculative-config.model=/d"]),
+    ("tp-fp8-alignment", ["tensor-parallel-size=4"]),
+    ("tp-fp8-alignment", ["tensor-parallel-size=2", "data-parallel-size=4"]),
+    ("auto-tool-choice-parser", ["tool-call-parser=null", "enable-auto-tool-choice=false"]),
+    ("checkpoint-parsers", ["tokenizer-mode=auto"]),
+    ("bad-value", ["max-num-batched-tokens=16k"]),
+    ("bad-value", ["gpu-memory-utilization=0.9"]),
+    ("unknown-env", ["env.VLLM_LOGGING_LEVEL=INFO"]),
+]
+
+
+@pytest.mark.parametrize(("rule", "sets"), PASSING)
+def test_rule_passes(rule, sets):
+    findings = validate(serve("h200-tp8-ep", *sets), with_vllm=False)
+    assert rule not in rules_hit(findings)
+    assert not [f for f in findings if f.level == "error"], findings
+
+
+def test_blackwell_options_pass_on_b200():
+    config = serve("b200-tp8-ep", "attention-backend=FLASHINFER_MLA_SPARSE_DSV4")
+    assert "blackwell-only" not in rules_hit(validate(config, with_vllm=False))
+
+
+def test_benchmark_prefix_caching_is_a_warning():
+    on = validate(serve("h200-tp8-ep", "enable-prefix-caching=true"), with_vllm=False)
+    assert [(f.level, f.rule) for f in on] == [("warning", "benchmark-prefix-caching")]
+    assert "set enable-prefix-caching: false" in on[0].message
+    default = validate(serve("h200-tp8-ep", "enable-prefix-caching=null"), with_vllm=False)
+    assert rules_hit(default) == {"benchmark-prefix-caching"}
+    # Production presets keep prefix caching on without a warning.
+    prod = validate(serve("dp16-ep-2node", ADDR), with_vllm=False)
+    assert prod == []
+
+
+def test_required_setting():
+    findings = validate(serve("dp16-ep-2node"), with_vllm=False)
+    assert rules_hit(findings) == {"required-setting"}
+    assert "--set data-parallel-address=" in findings[0].message
+    assert len(findings) == 1  # reported once, not once per node
+
+
+def test_dp_topology_rules():
+    # Start rank not a multiple of the local size (on the worker node only).
+    found = validate(serve("dp16-ep-2node", ADDR, node="worker"), with_vllm=False)
+    assert found == []
+    bad = resolve_serve("dp16-ep-2node", sets=[ADDR, "data-parallel-size-local=6"])
+    hits = [f for f in validate(bad, with_vllm=False) if f.rule == "dp-topology"]
+    assert any("not a multiple of data-parallel-size-local" in f.message for f in hits)
+    assert any(f.message.startswith("node worker: ") for f in hits)
+    headless_head = serve("h200-dp8-ep", "headless=true")
+    assert "needs data-parallel-start-rank" in " ".join(
+        f.message for f in validate(headless_head, with_vllm=False)
+    )
+    no_addr = serve("h200-dp8-ep", "data-parallel-size=16", "data-parallel-size-local=8")
+    msgs = [f.message for f in validate(no_addr, with_vllm=False) if f.rule == "dp-topology"]
+    assert any("data-parallel-address is not set" in m for m in msgs)
+    ray_headless = serve("dp16-ep-ray", ADDR, "headless=true")
+    assert "dp-topology" in rules_hit(validate(ray_headless, with_vllm=False))
+
+
+def test_unknown_keys_in_user_files_are_errors_not_dropped(tmp_path: Path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("dsv4: {extends: h200-tp8-ep}\nenable-prefix-cache: false\n")
+    config = resolve_serve(str(path))
+    assert "--no-enable-prefix-cache" in config.to_argv()  # kept, so vLLM would see it
+    findings = validate(config, with_vllm=False)
+    assert [f.rule for f in findings if f.level == "error"] == ["unknown-option"]
+    assert "did you mean 'enable-prefix-caching'?" in findings[0].message
+
+
+def test_bench_rules():
+    ok = resolve_bench("random-1024-64")
+    assert validate(ok, with_vllm=False) == []
+    no_temp = resolve_bench("random-1024-64", sets=["temperature=null", "ignore-eos=null"])
+    assert rules_hit(validate(no_temp, with_vllm=False), "warning") == {
+        "bench-temperature",
+        "bench-ignore-eos",
+    }
+    typo = resolve_bench("random-1024-64", sets=["random-input-length=1024"])
+    found = validate(typo, with_vllm=False)
+    assert [f.rule for f in found] == ["unknown-option"]
+    assert "did you mean 'random-input-len'?" in found[0].message
+    bad = resolve_bench("random-1024-64", sets=["request-rate=fast"])
+    assert rules_hit(validate(bad, with_vllm=False)) == {"bad-value"}
+
+
+def test_every_rule_is_listed_and_has_a_failing_case():
+    listed = {name.strip() for rule in SERVE_RULES for name in rule.name.split("/")}
+    covered = {rule for rule, _, _ in FAILING} | {
+        "benchmark-prefix-caching",
+        "required-setting",
+        "dp-topology",
+    }
+    assert listed <= covered, listed - covered
+
+
+def test_with_vllm_true_without_vllm_is_an_error(monkeypatch):
+    import importlib
+
+    v = importlib.import_module("dsv4_presets.validate")
+
+    monkeypatch.setattr(v, "vllm_available", lambda: False)
+    with pytest.raises(RuntimeError, match="with_vllm=True"):
+        validate(serve(), with_vllm=True)
+    assert validate(serve(), with_vllm=None) == []
+
+
+def test_finding_level_is_checked():
+    with pytest.raises(ValueError, match="level"):
+        Finding("fatal", "x", "y")
