@@ -114,10 +114,10 @@ def _read_only_l2_flush() -> Iterator[None]:
 
     driver = runtime.driver.active
     original = driver.clear_cache
-    sink = torch.empty(1, dtype=torch.int64, device="cuda")
+    sink = torch.empty((), dtype=torch.int64, device="cuda")
 
     def clear_cache(cache: torch.Tensor) -> None:
-        torch.sum(cache.view(torch.int32), dtype=torch.int64, out=sink[0])
+        torch.sum(cache.view(torch.int32), dim=0, dtype=torch.int64, out=sink)
 
     driver.clear_cache = clear_cache
     try:
