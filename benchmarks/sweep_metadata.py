@@ -73,14 +73,15 @@ def host_breakdown(dev: torch.device) -> None:
     def raw() -> None:
         k._combine_topk_swa_indices_kernel[(triton.cdiv(T, 8), 5)](
             ti, qsl, seq, gl, lens, lens, out, lens, ti.stride(0), out.stride(0), T, 1, 512,
-            640, args[7], args[8], WINDOW=128, RATIO=4, HAS_TOPK=True, HAS_IMAGES=False,
+            640, args[7], args[8], 1, WINDOW=128, RATIO=4, HAS_TOPK=True, HAS_IMAGES=False,
             BLOCK_T=md.COMBINE_BLOCK_T, BLOCK_C=md.COMBINE_BLOCK_C, BLOCK_R=md.COMBINE_BLOCK_R,
-            num_warps=md.COMBINE_NUM_WARPS)
+            COL_MAJOR=md.COMBINE_COL_MAJOR, num_warps=md.COMBINE_NUM_WARPS)
 
     def validate() -> None:
         md._combine_args(*args, out, None, None, 0, None)
 
     raw()
+    launch_empty(dev)
     rows = {
         "empty Triton kernel launch": lambda: launch_empty(dev),
         "combine: validation only": validate,
@@ -106,9 +107,13 @@ def main() -> None:
             inp.pop("_topk_read")
             inputs[s.name] = (list(inp.values()), T)
     wants = {k: ref.combine_topk_swa_indices(*a, num_tokens=t) for k, (a, t) in inputs.items()}
-    print("combine BT BC warps | per case: do_bench / host / graph (us)")
-    for bt, bc, nw in itertools.product((4, 8, 16), (128, 256), (2, 4)):
+    print("combine BT BC warps colmajor prefetch | per case: do_bench / host / graph (us)")
+    configs = [(bt, bc, nw, cm, pf) for bt, bc, nw in ((8, 128, 2), (16, 128, 2), (16, 128, 4),
+                                                       (8, 256, 4), (32, 128, 4))
+               for cm in (False, True) for pf in (0, 1 << 30)]  # fmt: skip
+    for bt, bc, nw, cm, pf in configs:
         md.COMBINE_BLOCK_T, md.COMBINE_BLOCK_C, md.COMBINE_NUM_WARPS = bt, bc, nw
+        md.COMBINE_COL_MAJOR, md.COMBINE_PREFETCH_MAX_ENTRIES = cm, pf
         cells = []
         for name, (args, T) in inputs.items():
             out = torch.empty_like(wants[name][0])
@@ -120,7 +125,8 @@ def main() -> None:
             fn()
             assert torch.equal(out, wants[name][0]) and torch.equal(lens, wants[name][1])
             cells.append(f"{_time_us(fn, dev, 60)[1]:6.2f}/{_host_us(fn):5.1f}/{_graph_us(fn):6.2f}")
-        print(f"combine {bt:2d} {bc:3d} {nw} | " + " | ".join(cells), flush=True)
+        print(f"combine {bt:2d} {bc:3d} {nw} {int(cm)} {int(pf > 0)} | " + " | ".join(cells),
+              flush=True)
     T, K = 16384, 512
     topk = torch.randint(-1, 32768, (T, K), dtype=torch.int32, device=dev)
     req = torch.zeros(T, dtype=torch.int32, device=dev)
@@ -130,7 +136,7 @@ def main() -> None:
     want = ref.compute_global_topk_indices_and_lens(*args)
     out, lens = torch.empty_like(want[0]), torch.empty_like(want[1])
     print("global BT BK warps | do_bench / host / graph (us), 16384 x 512")
-    for bt, bk, nw in itertools.product((1, 2, 4), (256, 512), (2, 4)):
+    for bt, bk, nw in itertools.product((1, 2), (256, 512), (2, 4)):
         md.GLOBAL_BLOCK_T, md.GLOBAL_BLOCK_K, md.GLOBAL_NUM_WARPS = bt, bk, nw
 
         def gfn() -> object:

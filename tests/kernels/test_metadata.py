@@ -329,3 +329,18 @@ def test_cpu_tensors_use_the_reference_without_the_interpreter() -> None:
     env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+@pytest.mark.parametrize("prefetch_max,col_major", [(0, False), (0, True), (1 << 30, True)])
+def test_combine_schedule_variants(prefetch_max: int, col_major: bool, kernel_device: torch.device,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The prefetching and non-prefetching paths, in either grid order, give the same rows."""
+    import dsv4_kernels.metadata as md
+
+    monkeypatch.setattr(md, "COMBINE_PREFETCH_MAX_ENTRIES", prefetch_max)
+    monkeypatch.setattr(md, "COMBINE_COL_MAJOR", col_major)
+    for layer in ("c4a", "c128a", "swa"):
+        ratio, topk, generate = LAYERS[layer]
+        batch = make_batch(fresh_seed(), query_lens=[19, 0, 33], ratio=ratio, topk=topk,
+                           extra_topk_cols=3, generate_topk=generate, slice_offset=2)  # fmt: skip
+        run_and_check(dk.combine_topk_swa_indices, batch, kernel_device)

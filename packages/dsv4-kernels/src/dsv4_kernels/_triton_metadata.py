@@ -34,6 +34,7 @@ COMBINE_RUNTIME_ARGS = [
     "row_width",
     "M",
     "N",
+    "prefetch",
 ]
 
 
@@ -57,6 +58,7 @@ def _combine_topk_swa_indices_kernel(
     row_width,
     M,
     N,
+    prefetch,
     # meta-parameters
     WINDOW: tl.constexpr,
     RATIO: tl.constexpr,
@@ -65,11 +67,29 @@ def _combine_topk_swa_indices_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    COL_MAJOR: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    if COL_MAJOR:  # neighbouring programs write neighbouring column tiles of the same rows
+        pid_c = tl.program_id(0)
+        pid_t = tl.program_id(1)
+    else:
+        pid_t = tl.program_id(0)
+        pid_c = tl.program_id(1)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < num_tokens
+    rows64 = toks.to(tl.int64)[:, None]
+    c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+    # Small calls are latency-bound: with `prefetch` the top-k tile is loaded
+    # up to the top-k width before the request lookup, overlapping the two
+    # round trips at the price of reading entries past topk_len.  Large calls
+    # are bandwidth-bound and load only the topk_len entries they need.
+    if HAS_TOPK:
+        if prefetch != 0:
+            early = tl.load(
+                topk_ptr + rows64 * topk_stride + c, mask=tok_ok[:, None] & (c < topk), other=-1
+            )
+        else:
+            early = tl.full([BLOCK_T, BLOCK_C], -1, dtype=tl.int32)
 
     # Request of each token: the number of request ends qsl[1..B] <= t + qsl[0],
     # counted over small tiles of requests (one tile for typical batches);
@@ -108,13 +128,14 @@ def _combine_topk_swa_indices_kernel(
     # Output values are int32 (as vLLM's); row offsets are 64-bit.
     base = req * M
     swa_shift = base + N + swa_start - (seq_len - gather_len) - topk_len
-    rows64 = toks.to(tl.int64)[:, None]
-    c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     in_topk = c < topk_len[:, None]
     if HAS_TOPK:
-        local = tl.load(
-            topk_ptr + rows64 * topk_stride + c, mask=in_topk & tok_ok[:, None], other=-1
-        )
+        if prefetch != 0:
+            local = early
+        else:
+            local = tl.load(
+                topk_ptr + rows64 * topk_stride + c, mask=in_topk & tok_ok[:, None], other=-1
+            )
     else:
         local = c
     # 0 <= local < N in one unsigned comparison (negative entries wrap above N).

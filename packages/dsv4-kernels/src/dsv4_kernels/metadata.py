@@ -29,6 +29,10 @@ COMBINE_BLOCK_T = 8
 COMBINE_BLOCK_C = 128
 COMBINE_BLOCK_R = 16
 COMBINE_NUM_WARPS = 4
+COMBINE_COL_MAJOR = False
+# Calls with at most this many top-k entries (tokens x topk) prefetch the
+# top-k tile before the request lookup (latency-bound sizes).
+COMBINE_PREFETCH_MAX_ENTRIES = 1 << 19
 GLOBAL_BLOCK_T = 4
 GLOBAL_BLOCK_K = 256
 GLOBAL_NUM_WARPS = 4
@@ -208,6 +212,10 @@ def combine_topk_swa_indices(
     has_topk = topk_indices is not None and topk > 0
     has_images = left_visible is not None
     grid = (triton.cdiv(num_tokens, COMBINE_BLOCK_T), triton.cdiv(width, COMBINE_BLOCK_C))
+    if COMBINE_COL_MAJOR:
+        grid = (grid[1], grid[0])
+    kernel_topk = topk if compress_ratio > 1 else 0
+    prefetch = int(has_topk and num_tokens * kernel_topk <= COMBINE_PREFETCH_MAX_ENTRIES)
     _k._combine_topk_swa_indices_kernel[grid](
         topk_indices if has_topk else out,
         query_start_loc,
@@ -221,10 +229,11 @@ def combine_topk_swa_indices(
         out.stride(0),
         num_tokens,
         num_reqs,
-        topk if compress_ratio > 1 else 0,
+        kernel_topk,
         width,
         M,
         N,
+        prefetch,
         WINDOW=window_size,
         RATIO=compress_ratio if compress_ratio > 1 else 0,
         HAS_TOPK=has_topk,
@@ -232,6 +241,7 @@ def combine_topk_swa_indices(
         BLOCK_T=COMBINE_BLOCK_T,
         BLOCK_C=COMBINE_BLOCK_C,
         BLOCK_R=COMBINE_BLOCK_R,
+        COL_MAJOR=COMBINE_COL_MAJOR,
         num_warps=COMBINE_NUM_WARPS,
     )
     return out, lens
