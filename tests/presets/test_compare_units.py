@@ -258,21 +258,26 @@ def test_stop_process_group_kills_after_grace(tmp_path: Path) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
-def test_kill_orphan_only_touches_the_recorded_command(tmp_path: Path) -> None:
-    argv = [sys.executable, "-c", "import time; time.sleep(300)", "dsv4-orphan-test"]
+def test_kill_orphan_only_touches_the_recorded_process(tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", "import time; time.sleep(300)"]
     proc = subprocess.Popen(argv, start_new_session=True)
     try:
         time.sleep(0.3)
+        start = runner.process_start_time(proc.pid)
+        assert start is not None and start.isdigit()
         wrong = tmp_path / "wrong.pid"
-        wrong.write_text(json.dumps({"pid": proc.pid, "argv": [*argv[:-1], "other"]}))
+        # Same PID but another start time: a reused PID, never signalled.
+        wrong.write_text(json.dumps({"pid": proc.pid, "start_time": str(int(start) + 1)}))
         assert runner.kill_orphan(wrong, grace=5) is None
         assert proc.poll() is None
         right = tmp_path / "right.pid"
-        right.write_text(json.dumps({"pid": proc.pid, "argv": argv}))
+        right.write_text(json.dumps({"pid": proc.pid, "start_time": start, "argv": argv}))
         what = runner.kill_orphan(right, grace=5)
         assert what is not None and str(proc.pid) in what
         proc.wait(timeout=10)
         assert not _group_alive(proc.pid)
+        # Nothing left to do the second time.
+        assert runner.kill_orphan(right, grace=5) is None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -365,29 +365,40 @@ def stop_process_group(proc: subprocess.Popen[bytes], grace: float) -> dict[str,
     return info
 
 
+def process_start_time(pid: int) -> str | None:
+    """The start time of ``pid`` in clock ticks since boot (``/proc/PID/stat``), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) is in parentheses and may hold spaces.
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else None
+
+
 def kill_orphan(pid_file: Path, grace: float = 30.0) -> str | None:
     """Stop a server left behind by a killed campaign, if it is still ours.
 
-    ``pid_file`` holds ``{"pid": ..., "argv": [...]}``.  The process is only
-    signalled when its command line (``/proc/PID/cmdline``) is the recorded
-    one, so a reused PID is never hit.  Returns what was done, or None.
+    ``pid_file`` holds ``{"pid": ..., "start_time": ..., "argv": [...]}``.  The
+    process group is only signalled when the PID still belongs to the process
+    we started: same start time in ``/proc/PID/stat`` (vLLM renames its
+    processes, so the command line is not a reliable witness).  Returns what
+    was done, or None when nothing of ours was running.
     """
     try:
         data = json.loads(pid_file.read_text())
         pid = int(data["pid"])
-        argv = [str(a) for a in data["argv"]]
+        recorded = data.get("start_time")
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    cmdline = Path(f"/proc/{pid}/cmdline")
-    try:
-        running = cmdline.read_bytes().split(b"\0")
-    except OSError:
-        running = None
-    if running is None:
+    if not recorded:
+        return None
+    current = process_start_time(pid)
+    if current is None:
         if _process_group_alive(pid) and not Path("/proc").is_dir():
             return f"process group {pid} may be an orphaned server; /proc is missing, not touched"
         return None
-    if [a.decode(errors="replace") for a in running if a] != argv:
+    if current != recorded:
         return None
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGTERM)
@@ -690,7 +701,14 @@ class _Runner:
             try:
                 self.p.phase("starting server")
                 server = self._popen(server_argv, server_env, server_log)
-                _write_json(partial / "server.pid", {"pid": server.pid, "argv": server_argv})
+                _write_json(
+                    partial / "server.pid",
+                    {
+                        "pid": server.pid,
+                        "start_time": process_start_time(server.pid),
+                        "argv": server_argv,
+                    },
+                )
                 result["timings"]["startup_s"] = round(self._wait_healthy(server, base_url), 3)
                 status, body = http_get(base_url + "/version", timeout=10)
                 if status == 200:
