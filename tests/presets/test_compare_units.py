@@ -423,3 +423,84 @@ def test_dsv4_command_registers_compare(capsys: pytest.CaptureFixture[str]) -> N
     assert exc.value.code == 0
     text = capsys.readouterr().out
     assert "env:NAME=VALUE" in text and "--pattern" in text and "--no-validate" in text
+
+
+# ---------------------------------------------------------------------------
+# The campaign loop with servers that cannot start (real processes, no vLLM)
+# ---------------------------------------------------------------------------
+
+
+def _campaign(out: Path, a_vllm: tuple[str, ...], b_vllm: tuple[str, ...], retry: bool = False):
+    def variant(letter: str, vllm: tuple[str, ...]) -> runner.ResolvedVariant:
+        return runner.ResolvedVariant(
+            spec=parse_spec("tiny.yaml", variant=letter),
+            preset="tiny",
+            model="/models/tiny",
+            served_model="/models/tiny",
+            tokenizer=None,
+            serve_args=("/models/tiny",),
+            env={"DSV4_TEST_MARK": letter},
+            vllm=vllm,
+        )
+
+    def build_args(**kwargs: Any) -> list[str]:
+        return ["--num-prompts", "1", "--result-filename", kwargs["result_filename"]]
+
+    bench = runner.ResolvedBench(name="b", num_prompts=1, vllm=("true",), build_args=build_args)
+    return runner.Campaign(
+        out_dir=out,
+        runs=plan_runs("AB"),
+        variants={"A": variant("A", a_vllm), "B": variant("B", b_vllm)},
+        bench=bench,
+        options=runner.RunOptions(health_timeout=30, stop_grace=5, retry_failed=retry),
+    )
+
+
+def test_campaign_records_start_failures_and_resumes(tmp_path: Path) -> None:
+    import io
+
+    from dsv4_presets.compare.progress import Progress
+
+    out = tmp_path / "camp"
+    code_file = tmp_path / "exit-code"
+    code_file.write_text("3")
+    # A "server" that prints boom and exits with the code in code_file.
+    script = (
+        "import pathlib, sys; print('boom'); "
+        f"sys.exit(int(pathlib.Path({str(code_file)!r}).read_text()))"
+    )
+    exits = (sys.executable, "-c", script)
+    missing = (str(tmp_path / "no-such-vllm"),)
+    stream = io.StringIO()
+    results = runner.run_campaign(_campaign(out, exits, missing), Progress(2, stream=stream))
+    assert [r.status for r in results] == ["failed", "failed"]
+    assert results[0].reason is not None
+    assert results[0].reason.startswith("server exited with code 3 before it was healthy")
+    assert results[1].reason is not None and "could not start" in results[1].reason
+    a = json.loads((out / "runs" / "01-A1" / "result.json").read_text())
+    assert a["log_tail"][-1] == "boom"
+    command = json.loads((out / "runs" / "01-A1" / "command.json").read_text())
+    assert command["server"][:3] == list(exits)
+    assert command["server"][-4:-1] == ["--host", "127.0.0.1", "--port"]
+    assert command["server_env_overrides"] == {"DSV4_TEST_MARK": "A"}
+    assert json.loads((out / "runs" / "01-A1" / "spec.json").read_text())["env"] == {
+        "DSV4_TEST_MARK": "A"
+    }
+    assert not list((out / "runs").glob(".*"))
+    # Resume: both runs are finished (failed), nothing is started again.
+    again = runner.run_campaign(_campaign(out, exits, missing), Progress(2, stream=stream))
+    assert [r.executed for r in again] == [False, False]
+    assert "A1: already failed (resumed)" in stream.getvalue()
+    # --retry-failed runs them again and keeps the failed attempt.
+    code_file.write_text("0")
+    runner.run_campaign(_campaign(out, exits, missing, retry=True), Progress(2, stream=stream))
+    names = sorted(p.name for p in (out / "runs").iterdir())
+    assert names == ["01-A1", "01-A1.failed-1", "02-B1", "02-B1.failed-1"]
+    retried = json.loads((out / "runs" / "01-A1" / "result.json").read_text())
+    assert retried["reason"].startswith("server exited with code 0")
+    rep, text = report.write_report(out, plot=False)
+    assert rep["failed_runs"] == ["A1", "B1"] and rep["pairs"] == []
+    assert "No successful B run" in text
+    # A changed variant on the same folder is refused rather than mixed in.
+    with pytest.raises(ValueError, match="holds a different campaign"):
+        runner.run_campaign(_campaign(out, missing, missing), Progress(2, stream=stream))

@@ -244,8 +244,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             )
         else:
             where = f" (log: {r['server_log']})" if r.get("server_log") else ""
+            reason = str(r["reason"]).replace("|", "\\|").replace("\n", " ")
             lines.append(
-                f"| {r['label']} | {r['display']} | {r['status'].upper()}: {r['reason']}{where} | |"
+                f"| {r['label']} | {r['display']} | {r['status'].upper()}: {reason}{where} | |"
             )
     lines.append("")
     lines.append("## Each B run against the mean of its neighbouring A runs")

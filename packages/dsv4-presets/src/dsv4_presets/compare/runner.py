@@ -25,6 +25,7 @@ folder) and discards the partial folder.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -193,6 +194,7 @@ class Campaign:
         """The campaign description written to ``campaign.json``."""
         return {
             "format": "dsv4-compare/1",
+            "options": dataclasses.asdict(self.options),
             "runs": [r.to_dict() for r in self.runs],
             "variants": {k: v.to_dict() for k, v in self.variants.items()},
             "bench": {
@@ -516,14 +518,17 @@ class _Runner:
         self, argv: Sequence[str], env: Mapping[str, str], log: Path
     ) -> subprocess.Popen[bytes]:
         with open(log, "ab") as fh:
-            return subprocess.Popen(
-                list(argv),
-                env=dict(env),
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            try:
+                return subprocess.Popen(
+                    list(argv),
+                    env=dict(env),
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            except OSError as exc:
+                raise _RunFailed(f"could not start {argv[0]!r}: {exc}") from None
 
     def _sleep(self, seconds: float) -> None:
         time.sleep(seconds)
