@@ -504,3 +504,43 @@ def test_campaign_records_start_failures_and_resumes(tmp_path: Path) -> None:
     # A changed variant on the same folder is refused rather than mixed in.
     with pytest.raises(ValueError, match="holds a different campaign"):
         runner.run_campaign(_campaign(out, missing, missing), Progress(2, stream=stream))
+
+
+def test_http_helpers_talk_to_a_local_server_despite_a_proxy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/health" else 503)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert runner.http_get(base + "/health", timeout=5) == (200, b"ok")
+        assert runner.http_get(base + "/other", timeout=5)[0] == 503
+        status, body = runner.http_post_json(base + "/v1/completions", {"x": 1}, timeout=5)
+        assert status == 200 and json.loads(body) == {"x": 1}
+    finally:
+        server.shutdown()
+        server.server_close()
+    # Nothing listening: status 0, no exception.
+    assert runner.http_get(base + "/health", timeout=2)[0] == 0

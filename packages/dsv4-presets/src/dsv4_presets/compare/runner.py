@@ -266,10 +266,15 @@ def recorded_environment(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+# The server is always local: never send its health checks through an HTTP proxy
+# that the environment (http_proxy) may name.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def http_get(url: str, timeout: float) -> tuple[int, bytes]:
     """GET ``url``; returns (status, body); status 0 when nothing answered."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with _OPENER.open(url, timeout=timeout) as resp:
             return int(resp.status), resp.read()
     except urllib.error.HTTPError as exc:
         return int(exc.code), b""
@@ -284,7 +289,7 @@ def http_post_json(url: str, payload: Mapping[str, Any], timeout: float) -> tupl
         url, data=data, headers={"Content-Type": "application/json"}, method="POST"
     )
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with _OPENER.open(req, timeout=timeout) as resp:
             return int(resp.status), resp.read()
     except urllib.error.HTTPError as exc:
         return int(exc.code), exc.read()
