@@ -195,8 +195,23 @@ def _parse(text: str, source: str, directory: Path | None) -> _File:
             meta = dict(value)
         else:
             name = key[2:] if key.startswith("--") else key
-            args[name.replace("_", "-")] = value
+            name, value = _canonical_bool(name.replace("_", "-"), value)
+            args[name] = value
     return _File(source=source, directory=directory, args=args, meta=meta)
+
+
+def _is_bool_option(name: str) -> bool:
+    return any(
+        (spec := shipped_table(command).get(name)) is not None and spec.kind == "bool"
+        for command in ("serve", "bench")
+    )
+
+
+def _canonical_bool(name: str, value: Any) -> tuple[str, Any]:
+    """``no-enable-prefix-caching: true`` is read as ``enable-prefix-caching: false``."""
+    if name.startswith("no-") and isinstance(value, bool) and _is_bool_option(name[3:]):
+        return name[3:], not value
+    return name, value
 
 
 def _read_shipped(kind: str, name: str) -> _File:
@@ -479,6 +494,7 @@ class ServeConfig:
         """A mapping for ``vllm serve --config`` (the model included as ``model``)."""
         data: dict[str, Any] = {"model": self.model}
         for key, value in self.ordered_args():
+            key, value = _config_bool(key, value)
             data[key] = config_value(value)
         return data
 
@@ -532,6 +548,20 @@ class ServeConfig:
                     f"{exc}, which the preset does not set"
                 ) from None
         return out
+
+
+def _config_bool(key: str, value: Any) -> tuple[str, Any]:
+    """Write ``key: false`` of a ``--x/--no-x`` option as ``no-key: true``.
+
+    vLLM's ``--config`` reader turns ``key: false`` into ``--no-key`` only when
+    the *top-level* parser knows ``--no-key``; under ``vllm serve`` it does not
+    (the option belongs to the ``serve`` subparser), so ``false`` is silently
+    dropped and vLLM's default (often ``true``) applies.  ``no-key: true`` is
+    read as the flag ``--no-key`` and always works.
+    """
+    if value is False and _is_bool_option(key):
+        return f"no-{key}", True
+    return key, value
 
 
 def _nodes(value: Any, source: str) -> tuple[NodeSpec, ...]:
@@ -776,7 +806,11 @@ class BenchConfig:
 
     def to_config(self) -> dict[str, Any]:
         """A mapping usable as ``vllm bench serve --config`` (without server and result file)."""
-        return {key: config_value(value) for key, value in self.ordered_args()}
+        data: dict[str, Any] = {}
+        for key, value in self.ordered_args():
+            key, value = _config_bool(key, value)
+            data[key] = config_value(value)
+        return data
 
 
 def resolve_bench(name_or_path: str, *, sets: Sequence[str] = ()) -> BenchConfig:

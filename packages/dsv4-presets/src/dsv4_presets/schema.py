@@ -210,6 +210,8 @@ def snapshot_from_parser(
         choices: tuple[str, ...] = ()
         if action.choices is not None:
             choices = tuple(str(c) for c in action.choices if c is not None)
+            if isinstance(action.choices, set | frozenset | dict):
+                choices = tuple(sorted(choices))  # unordered in vLLM: keep the file stable
         type_name = "str" if kind in ("bool", "flag") else _classify_type(action.type)
         for name in names:
             if name in skip:
@@ -318,9 +320,7 @@ def _scalar_text(value: object) -> str:
     if isinstance(value, float):
         if math.isinf(value):
             return "inf" if value > 0 else "-inf"
-        if value.is_integer():
-            return str(int(value)) if abs(value) < 1e15 else repr(value)
-        return repr(value)
+        return repr(value)  # as vLLM's --config reader writes it: 8.0 stays "8.0"
     if isinstance(value, Mapping | list):
         return json.dumps(value)
     return str(value)

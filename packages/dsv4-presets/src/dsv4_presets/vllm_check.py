@@ -238,7 +238,7 @@ def _check_attention_backend(name: str, config: ServeConfig, notes: list[str]) -
         return []
     try:
         member = AttentionBackendEnum[key]
-    except KeyError:
+    except (KeyError, ValueError):
         known = ", ".join(m.name for m in AttentionBackendEnum)
         return [
             Finding(

@@ -1,0 +1,266 @@
+"""Presets against vLLM's real parser, cross-flag checks and registries (the `vllm` session).
+
+vLLM is imported once per test session (module-scoped fixtures); no server is
+started and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dsv4_presets import check, resolve_bench, resolve_serve
+from dsv4_presets.presets import bench_preset_names, serve_preset_names
+from dsv4_presets.schema import check_value, render_option, shipped_table
+
+pytestmark = pytest.mark.vllm
+
+# vllm_check imports vLLM inside its functions, so collecting this module never
+# needs vLLM; the marker keeps these tests out of the default (no-vLLM) suite.
+from dsv4_presets import vllm_check  # noqa: E402
+
+ADDR = "data-parallel-address=10.0.0.1"
+
+
+@pytest.fixture(scope="module")
+def root() -> argparse.ArgumentParser:
+    return vllm_check._serve_root()
+
+
+@pytest.fixture(scope="module")
+def serve_parser() -> argparse.ArgumentParser:
+    return vllm_check.serve_parser()
+
+
+def all_nodes(name: str, *sets: str):
+    config = resolve_serve(name, sets=[ADDR, *sets])
+    return [config.for_node(n) for n in config.node_names] if config.nodes else [config]
+
+
+@pytest.mark.parametrize("name", serve_preset_names())
+def test_every_shipped_serve_preset_passes_vllm(name):
+    report = check(resolve_serve(name, sets=[ADDR]), with_vllm=True)
+    import vllm
+
+    assert report.vllm_version == vllm.__version__
+    assert report.findings == []
+    # What could not run without the checkpoint is said, not hidden.
+    assert any("config.json" in note for note in report.notes)
+
+
+@pytest.mark.parametrize("name", bench_preset_names())
+def test_every_shipped_bench_preset_passes_vllm_bench_parser(name):
+    report = check(resolve_bench(name), with_vllm=True)
+    assert report.findings == []
+    ns, message = vllm_check.parse(
+        vllm_check.bench_parser(),
+        resolve_bench(name).to_argv(
+            base_url="http://h:8000", model="m", result_dir="d", result_filename="r.json"
+        ),
+    )
+    assert message is None
+    assert ns.save_result is True and ns.result_filename == "r.json" and ns.result_dir == "d"
+    assert ns.num_prompts == 128 and ns.num_warmups == 8 and ns.request_rate == float("inf")
+    assert ns.ignore_eos is True and ns.temperature == 0.0 and ns.seed == 0
+
+
+def test_seed_command_parses_to_the_seed_settings(root):
+    ns = root.parse_args(["serve", *resolve_serve("h200-tp8-ep").to_argv()])
+    assert ns.model_tag == "deepseek-ai/DeepSeek-V4-Flash-0731"
+    assert (ns.kv_cache_dtype, ns.block_size, ns.tensor_parallel_size) == ("fp8", 256, 8)
+    assert ns.enable_expert_parallel is True and ns.enable_prefix_caching is False
+    assert ns.trust_remote_code is True and ns.enable_auto_tool_choice is True
+    assert (ns.tokenizer_mode, ns.tool_call_parser, ns.reasoning_parser) == ("deepseek_v4",) * 3
+    assert ns.max_num_batched_tokens == 16384
+
+
+def _normalise(ns: argparse.Namespace) -> dict[str, Any]:
+    data = dict(vars(ns))
+    data["model"] = data.pop("model_tag", None) or data["model"]
+    data.pop("config", None)
+    return data
+
+
+@pytest.mark.parametrize("name", serve_preset_names())
+def test_config_yaml_reads_back_to_the_same_arguments(name, root, tmp_path):
+    for config in all_nodes(name, "speculative-config.num_speculative_tokens=2"):
+        path = tmp_path / f"{name}-{config.node or 'single'}.yaml"
+        path.write_text(config.to_config_yaml())
+        from_config = root.parse_args(["serve", "--config", str(path)])
+        from_argv = root.parse_args(["serve", *config.to_argv()])
+        assert _normalise(from_config) == _normalise(from_argv), (name, config.node)
+        assert _normalise(from_config)["model"] == config.model
+
+
+# Deliberately broken presets: (overrides, rule, the text vLLM shows the user)
+BROKEN = [
+    (
+        ["kv-cache-dtype=fp9"],
+        "vllm-parser",
+        "vllm serve: error: argument --kv-cache-dtype: invalid choice: 'fp9'",
+    ),
+    (
+        ["blok-size=256"],
+        "vllm-parser",
+        "vllm: error: unrecognized arguments: --blok-size 256",
+    ),
+    (
+        ["tensor-parallel-size=eight"],
+        "vllm-parser",
+        "argument --tensor-parallel-size/-tp: invalid int value: 'eight'",
+    ),
+    (
+        ["tool-call-parser=null"],
+        "vllm-serve-checks",
+        "--enable-auto-tool-choice requires --tool-call-parser",
+    ),
+    (["tool-call-parser=deepseek_v5"], "vllm-registry", "tool-call-parser 'deepseek_v5'"),
+    (["reasoning-parser=deepseek_v5"], "vllm-registry", "reasoning-parser 'deepseek_v5'"),
+    (["tokenizer-mode=deepseek_v5"], "vllm-registry", "tokenizer-mode 'deepseek_v5'"),
+    (["attention-backend=NOT_A_BACKEND"], "vllm-registry", "is not one of vLLM's backends"),
+    (
+        ["attention-backend=FLASHINFER_MLA_SPARSE_DSV4"],
+        "vllm-attention-capability",
+        "does not support compute capability 9.0 (H200)",
+    ),
+    (["data-parallel-size=0"], "vllm-parallel-config", "data_parallel_size"),
+    (["block-size=-256"], "vllm-cache-config", "block_size"),
+    (["env.VLLM_USE_DEEPGEM=1"], "vllm-env", "VLLM_USE_DEEPGEM"),
+]
+
+
+@pytest.mark.parametrize(("sets", "rule", "text"), BROKEN)
+def test_broken_presets_are_rejected_with_vllms_message(sets, rule, text):
+    report = check(resolve_serve("h200-tp8-ep", sets=sets), with_vllm=True)
+    hits = [f for f in report.findings if f.rule == rule]
+    assert hits, report.findings
+    assert any(text in f.message for f in hits), [f.message for f in hits]
+    assert not report.ok
+
+
+def test_parser_error_is_the_line_vllm_prints(capsys):
+    # The same message the user sees when running vllm serve by hand.
+    _, message = vllm_check.parse(
+        vllm_check._serve_root(), ["serve", "m", "--kv-cache-dtype", "fp9"]
+    )
+    assert message is not None and message.startswith("vllm serve: error: argument")
+    assert capsys.readouterr().err == ""  # captured, not leaked
+
+
+def test_multi_node_worker_is_checked_too():
+    report = check(
+        resolve_serve("dp16-ep-2node", sets=[ADDR, "data-parallel-rpc-port=70000"]),
+        with_vllm=True,
+    )
+    assert report.findings == [] or all(not f.message.startswith("node ") for f in report.findings)
+    # A port vLLM's ParallelConfig rejects is reported once for both nodes.
+    bad = check(
+        resolve_serve("dp16-ep-2node", sets=[ADDR, "tensor-parallel-size=0"]), with_vllm=True
+    )
+    assert any(f.rule == "vllm-parallel-config" for f in bad.findings)
+
+
+def test_shipped_option_tables_match_the_installed_vllm():
+    for command in ("serve", "bench"):
+        live = vllm_check.live_table(command).to_data()
+        shipped = shipped_table(command).to_data()
+        assert live == shipped, (
+            f"the shipped {command} option table is stale: regenerate it with "
+            "`python -m dsv4_presets.schema --write`"
+        )
+
+
+# --------------------------------------------------------------------------- #
+# Rendering agrees with vLLM's parser on fresh random options and values
+# --------------------------------------------------------------------------- #
+
+SERVE = shipped_table("serve")
+SIMPLE = sorted(
+    name
+    for name, spec in SERVE.options.items()
+    if spec.kind in ("bool", "flag", "value")
+    and spec.type in ("int", "human-int", "float", "str")
+    and name not in ("log-config-file", "grpc-port", "model")  # side effects / special cases
+)
+TEXT = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_/.", min_size=1, max_size=12)
+
+
+@st.composite
+def option_values(draw: Any) -> dict[str, Any]:
+    names = draw(st.lists(st.sampled_from(SIMPLE), min_size=1, max_size=6, unique=True))
+    out: dict[str, Any] = {}
+    for name in names:
+        spec = SERVE.options[name]
+        if spec.kind in ("bool", "flag"):
+            out[name] = draw(st.booleans()) if spec.kind == "bool" else True
+        elif spec.choices:
+            out[name] = draw(st.sampled_from(spec.choices))
+        elif spec.type in ("int", "human-int"):
+            out[name] = draw(st.integers(min_value=1, max_value=2**20))
+        elif spec.type == "float":
+            out[name] = draw(st.floats(min_value=0.01, max_value=1e4, allow_nan=False))
+        else:
+            out[name] = draw(TEXT)
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(values=option_values())
+def test_rendered_options_parse_back_to_their_values(values):
+    serve_parser = vllm_check.serve_parser()
+    argv = ["model"]
+    for name, value in values.items():
+        assert check_value(SERVE.options[name], value) is None
+        argv += render_option(name, value, SERVE.options[name])
+    ns, message = vllm_check.parse(vllm_check._serve_root(), ["serve", *argv])
+    assert message is None, (argv, message)
+    for name, value in values.items():
+        dest = serve_parser._option_string_actions[f"--{name}"].dest
+        got = getattr(ns, dest)
+        if isinstance(value, float):
+            assert got == pytest.approx(value, rel=1e-12), name
+        elif SERVE.options[name].choices:
+            assert str(got) == str(value), name
+        else:
+            assert got == value, name
+
+
+# Values drawn from a small alphabet: our offline check and vLLM's parser must agree.
+PARITY = [
+    "tensor-parallel-size",
+    "max-num-batched-tokens",
+    "gpu-memory-utilization",
+    "kv-cache-dtype",
+    "block-size",
+]
+RAW = st.text(alphabet="0123456789.-kKmfpx8_e", min_size=1, max_size=6)
+
+
+@settings(max_examples=80, deadline=None)
+@given(name=st.sampled_from(PARITY), text=RAW)
+def test_offline_value_check_agrees_with_vllms_parser(name, text):
+    spec = SERVE.options[name]
+    import yaml
+
+    value = yaml.safe_load(text)  # what a user writes in YAML, typed by YAML
+    if value is None or isinstance(value, bool):
+        return
+    ours_ok = check_value(spec, value) is None
+    argv = ["serve", "model", *render_option(name, value, spec)]
+    _, message = vllm_check.parse(vllm_check._serve_root(), argv)
+    assert ours_ok == (message is None), (name, value, message)
+
+
+def test_snapshot_regeneration_writes_the_same_file(tmp_path: Path):
+    import yaml
+
+    data = vllm_check.live_table("serve").to_data()
+    text = yaml.safe_dump(data, sort_keys=False, width=100)
+    assert yaml.safe_load(text) == shipped_table("serve").to_data()
+    assert json.dumps(data)  # plain data, no Python objects
