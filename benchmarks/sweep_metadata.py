@@ -72,10 +72,10 @@ def host_breakdown(dev: torch.device) -> None:
 
     def raw() -> None:
         k._combine_topk_swa_indices_kernel[(triton.cdiv(T, 8), 5)](
-            ti, qsl, seq, gl, lens, lens, out, lens, ti.stride(0), out.stride(0), T, 1, 512,
-            640, args[7], args[8], 1, WINDOW=128, RATIO=4, HAS_TOPK=True, HAS_IMAGES=False,
-            BLOCK_T=md.COMBINE_BLOCK_T, BLOCK_C=md.COMBINE_BLOCK_C, BLOCK_R=md.COMBINE_BLOCK_R,
-            COL_MAJOR=md.COMBINE_COL_MAJOR, num_warps=md.COMBINE_NUM_WARPS)
+            ti, qsl, seq, gl, lens, lens, out, lens, ti.stride(0) // 4, out.stride(0), T, 1,
+            512, 5, args[7], args[8], WINDOW=128, RATIO=4, HAS_TOPK=True, HAS_IMAGES=False,
+            TOPK_ALIGN=4, ROW_ALIGN=128, BLOCK_T=md.COMBINE_BLOCK_T, BLOCK_C=md.COMBINE_BLOCK_C,
+            BLOCK_R=md.COMBINE_BLOCK_R, num_warps=md.COMBINE_NUM_WARPS)
 
     def validate() -> None:
         md._combine_args(*args, out, None, None, 0, None)
@@ -107,15 +107,13 @@ def main() -> None:
             inp.pop("_topk_read")
             inputs[s.name] = (list(inp.values()), T)
     wants = {k: ref.combine_topk_swa_indices(*a, num_tokens=t) for k, (a, t) in inputs.items()}
-    print("combine BT BC warps colmajor prefetch | per case: do_bench / host / graph (us)")
-    configs = [(bt, bc, nw, cm, pf) for bt, bc, nw in ((8, 128, 2), (16, 128, 2), (16, 128, 4),
-                                                       (8, 256, 4), (32, 128, 4))
-               for cm in (False, True) for pf in (0, 1 << 30)]  # fmt: skip
-    for bt, bc, nw, cm, pf in configs:
+    print("combine BT BC warps | per case: do_bench / host / graph (us)")
+    configs = [(4, 128, 1), (4, 128, 2), (8, 128, 2), (8, 128, 4), (16, 128, 2), (16, 128, 4),
+               (8, 256, 2), (8, 256, 4), (16, 256, 4), (32, 128, 4)]
+    for bt, bc, nw in configs:
         md.COMBINE_BLOCK_T, md.COMBINE_BLOCK_C, md.COMBINE_NUM_WARPS = bt, bc, nw
-        md.COMBINE_COL_MAJOR, md.COMBINE_PREFETCH_MAX_ENTRIES = cm, pf
         cells = []
-        for name, (args, T) in inputs.items():
+        for name, (args, _t) in inputs.items():
             out = torch.empty_like(wants[name][0])
             lens = torch.empty_like(wants[name][1])
 
@@ -124,9 +122,9 @@ def main() -> None:
 
             fn()
             assert torch.equal(out, wants[name][0]) and torch.equal(lens, wants[name][1])
-            cells.append(f"{_time_us(fn, dev, 60)[1]:6.2f}/{_host_us(fn):5.1f}/{_graph_us(fn):6.2f}")
-        print(f"combine {bt:2d} {bc:3d} {nw} {int(cm)} {int(pf > 0)} | " + " | ".join(cells),
-              flush=True)
+            t_bench, t_host, t_graph = _time_us(fn, dev, 60)[1], _host_us(fn), _graph_us(fn)
+            cells.append(f"{t_bench:6.2f}/{t_host:5.1f}/{t_graph:6.2f}")
+        print(f"combine {bt:2d} {bc:3d} {nw} | " + " | ".join(cells), flush=True)
     T, K = 16384, 512
     topk = torch.randint(-1, 32768, (T, K), dtype=torch.int32, device=dev)
     req = torch.zeros(T, dtype=torch.int32, device=dev)

@@ -8,6 +8,7 @@ poisoned before every call.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -331,16 +332,14 @@ def test_cpu_tensors_use_the_reference_without_the_interpreter() -> None:
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
-@pytest.mark.parametrize("prefetch_max,col_major", [(0, False), (0, True), (1 << 30, True)])
-def test_combine_schedule_variants(prefetch_max: int, col_major: bool, kernel_device: torch.device,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """The prefetching and non-prefetching paths, in either grid order, give the same rows."""
-    import dsv4_kernels.metadata as md
-
-    monkeypatch.setattr(md, "COMBINE_PREFETCH_MAX_ENTRIES", prefetch_max)
-    monkeypatch.setattr(md, "COMBINE_COL_MAJOR", col_major)
-    for layer in ("c4a", "c128a", "swa"):
-        ratio, topk, generate = LAYERS[layer]
-        batch = make_batch(fresh_seed(), query_lens=[19, 0, 33], ratio=ratio, topk=topk,
-                           extra_topk_cols=3, generate_topk=generate, slice_offset=2)  # fmt: skip
-        run_and_check(dk.combine_topk_swa_indices, batch, kernel_device)
+@pytest.mark.parametrize("extra_cols", [0, 3], ids=["aligned-rows", "unaligned-rows"])
+def test_combine_topk_row_alignment(extra_cols: int, kernel_device: torch.device) -> None:
+    """16-byte top-k loads (width % 4 == 0) and the scalar fallback give the same rows."""
+    batch = make_batch(fresh_seed(), query_lens=[19, 0, 33], ratio=4, topk=61,
+                       extra_topk_cols=extra_cols, slice_offset=2)  # fmt: skip
+    run_and_check(dk.combine_topk_swa_indices, batch, kernel_device)
+    # a view whose rows start at an odd element (not 16-byte aligned)
+    assert batch.topk_indices is not None
+    wide = torch.cat([batch.topk_indices[:, :1], batch.topk_indices], dim=1)
+    view = dataclasses.replace(batch, topk_indices=wide[:, 1:])
+    run_and_check(dk.combine_topk_swa_indices, view, kernel_device)

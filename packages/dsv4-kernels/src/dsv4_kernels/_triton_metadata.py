@@ -21,20 +21,19 @@ import triton.language as tl
 # Run-time arguments that must not be specialised on value (==1, %16) or on
 # pointer alignment: changing them must not compile a new kernel.
 COMBINE_RUNTIME_ARGS = [
-    "topk_stride",
     "qsl_ptr",
     "seq_lens_ptr",
     "gather_lens_ptr",
     "left_ptr",
     "right_ptr",
     "lens_ptr",
+    "topk_stride_units",
     "num_tokens",
     "num_reqs",
     "topk",
-    "row_width",
+    "row_tiles",
     "M",
     "N",
-    "prefetch",
 ]
 
 
@@ -47,49 +46,32 @@ def _combine_topk_swa_indices_kernel(
     gather_lens_ptr,  # [num_reqs] int32
     left_ptr,  # [num_tokens] int32 (HAS_IMAGES)
     right_ptr,  # [num_tokens] int32 (HAS_IMAGES)
-    out_ptr,  # [num_tokens, row_width] int32
+    out_ptr,  # [num_tokens, row_tiles * ROW_ALIGN] int32
     lens_ptr,  # [num_tokens] int32
     # sizes and strides
-    topk_stride,
+    topk_stride_units,  # topk_indices.stride(0) // TOPK_ALIGN
     out_stride,
     num_tokens,
     num_reqs,
     topk,
-    row_width,
+    row_tiles,  # row width // ROW_ALIGN
     M,
     N,
-    prefetch,
     # meta-parameters
     WINDOW: tl.constexpr,
     RATIO: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     HAS_IMAGES: tl.constexpr,
+    TOPK_ALIGN: tl.constexpr,  # 4 when top-k rows are 16-byte aligned and 4-divisible, else 1
+    ROW_ALIGN: tl.constexpr,  # 128: combined rows are a multiple of this wide
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    COL_MAJOR: tl.constexpr,
 ):
-    if COL_MAJOR:  # neighbouring programs write neighbouring column tiles of the same rows
-        pid_c = tl.program_id(0)
-        pid_t = tl.program_id(1)
-    else:
-        pid_t = tl.program_id(0)
-        pid_c = tl.program_id(1)
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < num_tokens
-    rows64 = toks.to(tl.int64)[:, None]
-    c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
-    # Small calls are latency-bound: with `prefetch` the top-k tile is loaded
-    # up to the top-k width before the request lookup, overlapping the two
-    # round trips at the price of reading entries past topk_len.  Large calls
-    # are bandwidth-bound and load only the topk_len entries they need.
-    if HAS_TOPK:
-        if prefetch != 0:
-            early = tl.load(
-                topk_ptr + rows64 * topk_stride + c, mask=tok_ok[:, None] & (c < topk), other=-1
-            )
-        else:
-            early = tl.full([BLOCK_T, BLOCK_C], -1, dtype=tl.int32)
 
     # Request of each token: the number of request ends qsl[1..B] <= t + qsl[0],
     # counted over small tiles of requests (one tile for typical batches);
@@ -128,19 +110,22 @@ def _combine_topk_swa_indices_kernel(
     # Output values are int32 (as vLLM's); row offsets are 64-bit.
     base = req * M
     swa_shift = base + N + swa_start - (seq_len - gather_len) - topk_len
+    rows64 = toks.to(tl.int64)[:, None]
+    c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     in_topk = c < topk_len[:, None]
     if HAS_TOPK:
-        if prefetch != 0:
-            local = early
-        else:
-            local = tl.load(
-                topk_ptr + rows64 * topk_stride + c, mask=in_topk & tok_ok[:, None], other=-1
-            )
+        # Masks whose bounds are multiples of TOPK_ALIGN keep the loads 16 bytes
+        # wide; the entries read past topk_len (fewer than TOPK_ALIGN, inside
+        # the row) are discarded by the select below.
+        read_len = tl.multiple_of((topk_len + (TOPK_ALIGN - 1)) // TOPK_ALIGN * TOPK_ALIGN, TOPK_ALIGN)
+        topk_row = topk_ptr + rows64 * (topk_stride_units * TOPK_ALIGN)
+        local = tl.load(topk_row + c, mask=(c < read_len[:, None]) & tok_ok[:, None], other=-1)
     else:
         local = c
     # 0 <= local < N in one unsigned comparison (negative entries wrap above N).
     top = tl.where(local.to(tl.uint32) < N.to(tl.uint32), base[:, None] + local, -1)
     value = tl.where(in_topk, top, tl.where(c < total[:, None], swa_shift[:, None] + c, -1))
+    row_width = row_tiles * ROW_ALIGN
     tl.store(out_ptr + rows64 * out_stride + c, value, mask=tok_ok[:, None] & (c < row_width))
 
 

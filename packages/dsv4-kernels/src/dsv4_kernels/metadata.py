@@ -20,7 +20,7 @@ from ._validation import (
     check_tensor,
     use_triton,
 )
-from .geometry import SUPPORTED_COMPRESS_RATIOS, combined_width
+from .geometry import COMBINED_ALIGNMENT, SUPPORTED_COMPRESS_RATIOS, combined_width
 
 __all__ = ["combine_topk_swa_indices", "compute_global_topk_indices_and_lens"]
 
@@ -28,11 +28,7 @@ __all__ = ["combine_topk_swa_indices", "compute_global_topk_indices_and_lens"]
 COMBINE_BLOCK_T = 8
 COMBINE_BLOCK_C = 128
 COMBINE_BLOCK_R = 16
-COMBINE_NUM_WARPS = 4
-COMBINE_COL_MAJOR = False
-# Calls with at most this many top-k entries (tokens x topk) prefetch the
-# top-k tile before the request lookup (latency-bound sizes).
-COMBINE_PREFETCH_MAX_ENTRIES = 1 << 19
+COMBINE_NUM_WARPS = 2
 GLOBAL_BLOCK_T = 4
 GLOBAL_BLOCK_K = 256
 GLOBAL_NUM_WARPS = 4
@@ -212,10 +208,16 @@ def combine_topk_swa_indices(
     has_topk = topk_indices is not None and topk > 0
     has_images = left_visible is not None
     grid = (triton.cdiv(num_tokens, COMBINE_BLOCK_T), triton.cdiv(width, COMBINE_BLOCK_C))
-    if COMBINE_COL_MAJOR:
-        grid = (grid[1], grid[0])
-    kernel_topk = topk if compress_ratio > 1 else 0
-    prefetch = int(has_topk and num_tokens * kernel_topk <= COMBINE_PREFETCH_MAX_ENTRIES)
+    # 16-byte top-k loads need 16-byte aligned rows whose width is a multiple of 4.
+    topk_align = 1
+    if has_topk:
+        assert topk_indices is not None
+        k_width, k_stride = topk_indices.shape[1], topk_indices.stride(0)
+        if k_width % 4 == 0 and k_stride % 4 == 0 and topk_indices.data_ptr() % 16 == 0:
+            topk_align = 4
+        topk_stride_units = k_stride // topk_align
+    else:
+        topk_stride_units = 0
     _k._combine_topk_swa_indices_kernel[grid](
         topk_indices if has_topk else out,
         query_start_loc,
@@ -225,23 +227,23 @@ def combine_topk_swa_indices(
         right_visible if has_images else lens,
         out,
         lens,
-        topk_indices.stride(0) if has_topk else 0,  # type: ignore[union-attr]
+        topk_stride_units,
         out.stride(0),
         num_tokens,
         num_reqs,
-        kernel_topk,
-        width,
+        topk if compress_ratio > 1 else 0,
+        width // COMBINED_ALIGNMENT,
         M,
         N,
-        prefetch,
         WINDOW=window_size,
         RATIO=compress_ratio if compress_ratio > 1 else 0,
         HAS_TOPK=has_topk,
         HAS_IMAGES=has_images,
+        TOPK_ALIGN=topk_align,
+        ROW_ALIGN=COMBINED_ALIGNMENT,
         BLOCK_T=COMBINE_BLOCK_T,
         BLOCK_C=COMBINE_BLOCK_C,
         BLOCK_R=COMBINE_BLOCK_R,
-        COL_MAJOR=COMBINE_COL_MAJOR,
         num_warps=COMBINE_NUM_WARPS,
     )
     return out, lens
