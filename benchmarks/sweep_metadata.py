@@ -73,9 +73,9 @@ def host_breakdown(dev: torch.device) -> None:
     def raw() -> None:
         k._combine_topk_swa_indices_kernel[(triton.cdiv(T, 8), 5)](
             ti, qsl, seq, gl, lens, lens, out, lens, ti.stride(0) // 4, out.stride(0), T, 1,
-            512, 5, args[7], args[8], WINDOW=128, RATIO=4, HAS_TOPK=True, HAS_IMAGES=False,
+            512, 5, args[7], args[8], 0, WINDOW=128, RATIO=4, HAS_TOPK=True, HAS_IMAGES=False,
             TOPK_ALIGN=4, ROW_ALIGN=128, BLOCK_T=md.COMBINE_BLOCK_T, BLOCK_C=md.COMBINE_BLOCK_C,
-            BLOCK_R=md.COMBINE_BLOCK_R, num_warps=md.COMBINE_NUM_WARPS)
+            BLOCK_R=md.COMBINE_BLOCK_R, ONEHOT=md.COMBINE_ONEHOT, num_warps=md.COMBINE_NUM_WARPS)
 
     def validate() -> None:
         md._combine_args(*args, out, None, None, 0, None)
@@ -107,11 +107,12 @@ def main() -> None:
             inp.pop("_topk_read")
             inputs[s.name] = (list(inp.values()), T)
     wants = {k: ref.combine_topk_swa_indices(*a, num_tokens=t) for k, (a, t) in inputs.items()}
-    print("combine BT BC warps | per case: do_bench / host / graph (us)")
-    configs = [(4, 128, 1), (4, 128, 2), (8, 128, 2), (8, 128, 4), (16, 128, 2), (16, 128, 4),
-               (8, 256, 2), (8, 256, 4), (16, 256, 4), (32, 128, 4)]
-    for bt, bc, nw in configs:
+    print("combine BT BC warps onehot prefetch | per case: do_bench / host / graph (us)")
+    configs = [(bt, bc, nw, oh, pf) for bt, bc, nw in ((8, 128, 2), (8, 128, 4), (16, 128, 4))
+               for oh in (False, True) for pf in (0, 1 << 30)]  # fmt: skip
+    for bt, bc, nw, oh, pf in configs:
         md.COMBINE_BLOCK_T, md.COMBINE_BLOCK_C, md.COMBINE_NUM_WARPS = bt, bc, nw
+        md.COMBINE_ONEHOT, md.COMBINE_PREFETCH_MAX_ENTRIES = oh, pf
         cells = []
         for name, (args, _t) in inputs.items():
             out = torch.empty_like(wants[name][0])
@@ -124,7 +125,8 @@ def main() -> None:
             assert torch.equal(out, wants[name][0]) and torch.equal(lens, wants[name][1])
             t_bench, t_host, t_graph = _time_us(fn, dev, 60)[1], _host_us(fn), _graph_us(fn)
             cells.append(f"{t_bench:6.2f}/{t_host:5.1f}/{t_graph:6.2f}")
-        print(f"combine {bt:2d} {bc:3d} {nw} | " + " | ".join(cells), flush=True)
+        print(f"combine {bt:2d} {bc:3d} {nw} {int(oh)} {int(pf > 0)} | " + " | ".join(cells),
+              flush=True)
     T, K = 16384, 512
     topk = torch.randint(-1, 32768, (T, K), dtype=torch.int32, device=dev)
     req = torch.zeros(T, dtype=torch.int32, device=dev)
@@ -134,7 +136,7 @@ def main() -> None:
     want = ref.compute_global_topk_indices_and_lens(*args)
     out, lens = torch.empty_like(want[0]), torch.empty_like(want[1])
     print("global BT BK warps | do_bench / host / graph (us), 16384 x 512")
-    for bt, bk, nw in itertools.product((1, 2), (256, 512), (2, 4)):
+    for bt, bk, nw in itertools.product((1, 2), (512,), (2, 4)):
         md.GLOBAL_BLOCK_T, md.GLOBAL_BLOCK_K, md.GLOBAL_NUM_WARPS = bt, bk, nw
 
         def gfn() -> object:

@@ -100,7 +100,7 @@ def make_batch(
     if lead is not None:
         qsl = torch.cat([lead[:-1], qsl])[slice_offset - 1 :]
         assert int(qsl[0]) == start
-    M = int(randint(600, 5000))
+    M = int(randint(topk + 600, topk + 5000))
     N = int(randint(max(topk, 1), M - 450))
     topk_indices = None
     if ratio > 1 and not generate_topk:

@@ -58,7 +58,12 @@ def test_combine_random_batches_on_gpu(layer: str, gpu: torch.device) -> None:
     want = ref.combine_topk_swa_indices(*b.args(), **b.kwargs())
     out = torch.full_like(want[0], POISON)
     got = dk.combine_topk_swa_indices(*b.args(), out=out, **b.kwargs())
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"seed {b.seed}"
+    bad = (got[0] != want[0]).nonzero()
+    assert bad.numel() == 0, (
+        f"seed {b.seed}: {bad.shape[0]} mismatches, first {bad[:4].tolist()}: "
+        f"got {got[0][tuple(bad[0])]}, want {want[0][tuple(bad[0])]}"
+    )
+    assert torch.equal(got[1], want[1]), f"seed {b.seed}"
 
 
 def test_combine_cuda_graph_capture_and_replay(gpu: torch.device) -> None:
@@ -109,13 +114,14 @@ def test_global_cuda_graph_capture_and_replay(gpu: torch.device) -> None:
 
 
 def test_no_recompilation_for_runtime_sizes(gpu: torch.device) -> None:
-    """Tokens, requests, M, N, offsets and the C128A width are run-time values."""
+    """Tokens, requests, M, N, query_start_loc offsets and the C128A width are run-time values."""
+
     def run_all(seed: int, qlens: list[int], offset: int, c128a_topk: int) -> None:
-        for ratio, topk in ((4, 512), (128, c128a_topk), (1, 0)):
+        for ratio, topk, generate in ((4, 512, False), (128, c128a_topk, True), (1, 0, False)):
             b = make_batch(seed, query_lens=qlens, ratio=ratio, topk=topk, context=(0, 3000),
-                           slice_offset=offset).to(gpu)  # fmt: skip
-            got = dk.combine_topk_swa_indices(*b.args())
-            want = ref.combine_topk_swa_indices(*b.args())
+                           slice_offset=offset, generate_topk=generate).to(gpu)  # fmt: skip
+            got = dk.combine_topk_swa_indices(*b.args(), num_tokens=b.num_tokens)
+            want = ref.combine_topk_swa_indices(*b.args(), num_tokens=b.num_tokens)
             assert torch.equal(got[0], want[0])
         T = sum(qlens)
         topk = torch.randint(-1, 4096, (T, 512), dtype=torch.int32, device=gpu)
@@ -124,15 +130,23 @@ def test_no_recompilation_for_runtime_sizes(gpu: torch.device) -> None:
             torch.randint(0, 999, (1, 64 + offset), dtype=torch.int32, device=gpu), 64,
             torch.ones(T, dtype=torch.bool, device=gpu))  # fmt: skip
 
+    def counts() -> tuple[int, int]:
+        return (_compiled(kernels._combine_topk_swa_indices_kernel),
+                _compiled(kernels._global_topk_indices_kernel))  # fmt: skip
+
     run_all(fresh_seed(), [16, 32], 1, 16)  # compiles each variant once
-    before = (_compiled(kernels._combine_topk_swa_indices_kernel),
-              _compiled(kernels._global_topk_indices_kernel))  # fmt: skip
+    before = counts()
     for qlens, offset, width in (([1], 2, 1), ([1000, 17, 0, 3], 5, 33),
                                  ([4096], 1, 128), ([7, 9, 11, 13, 15], 8, 7)):  # fmt: skip
         run_all(fresh_seed(), qlens, offset, width)
-    after = (_compiled(kernels._combine_topk_swa_indices_kernel),
-             _compiled(kernels._global_topk_indices_kernel))  # fmt: skip
-    assert after == before, f"new compilations: {before} -> {after}"
+    assert counts() == before, f"new compilations: {before} -> {counts()}"
+    # Caller-provided C128A rows of varying width: the only new variant allowed is
+    # the scalar-load one for rows that are not 16-byte aligned (a layout property).
+    for width in (16, 33, 7, 1, 128):
+        b = make_batch(fresh_seed(), query_lens=[50, 3], ratio=128, topk=width).to(gpu)
+        got = dk.combine_topk_swa_indices(*b.args())
+        assert torch.equal(got[0], ref.combine_topk_swa_indices(*b.args())[0])
+    assert counts()[0] <= before[0] + 1, f"{before} -> {counts()}"
 
 
 def test_combine_64bit_row_offsets(gpu: torch.device) -> None:

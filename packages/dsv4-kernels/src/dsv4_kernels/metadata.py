@@ -29,6 +29,10 @@ COMBINE_BLOCK_T = 8
 COMBINE_BLOCK_C = 128
 COMBINE_BLOCK_R = 16
 COMBINE_NUM_WARPS = 2
+COMBINE_ONEHOT = False
+# Calls with at most this many top-k entries (tokens x topk) load the top-k
+# tile together with the request lookup (latency-bound sizes).
+COMBINE_PREFETCH_MAX_ENTRIES = 0
 GLOBAL_BLOCK_T = 4
 GLOBAL_BLOCK_K = 256
 GLOBAL_NUM_WARPS = 4
@@ -218,6 +222,8 @@ def combine_topk_swa_indices(
         topk_stride_units = k_stride // topk_align
     else:
         topk_stride_units = 0
+    kernel_topk = topk if compress_ratio > 1 else 0
+    prefetch = int(has_topk and num_tokens * kernel_topk <= COMBINE_PREFETCH_MAX_ENTRIES)
     _k._combine_topk_swa_indices_kernel[grid](
         topk_indices if has_topk else out,
         query_start_loc,
@@ -231,10 +237,11 @@ def combine_topk_swa_indices(
         out.stride(0),
         num_tokens,
         num_reqs,
-        topk if compress_ratio > 1 else 0,
+        kernel_topk,
         width // COMBINED_ALIGNMENT,
         M,
         N,
+        prefetch,
         WINDOW=window_size,
         RATIO=compress_ratio if compress_ratio > 1 else 0,
         HAS_TOPK=has_topk,
@@ -244,6 +251,7 @@ def combine_topk_swa_indices(
         BLOCK_T=COMBINE_BLOCK_T,
         BLOCK_C=COMBINE_BLOCK_C,
         BLOCK_R=COMBINE_BLOCK_R,
+        ONEHOT=COMBINE_ONEHOT,
         num_warps=COMBINE_NUM_WARPS,
     )
     return out, lens
