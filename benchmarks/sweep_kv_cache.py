@@ -1,0 +1,128 @@
+"""Tile sweep for the FP8 K cache kernels (GPU only): ``python -m benchmarks.sweep_kv_cache``.
+
+Times every (tokens per program, warps) variant of our insert and gather, and
+for insert both roundings (integer RNE and the hardware cast), on the large
+cases of the matrix; each variant is checked byte for byte against the torch
+reference before it is timed.  Prints a table and writes ``sweep_kv_cache.json``
+to ``--out``.  Used to pick the constants in ``dsv4_kernels.kv_cache``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_kv_cache")
+    p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--rep-ms", type=int, default=50)
+    args = p.parse_args(argv)
+    assert torch.cuda.is_available(), "the sweep needs a CUDA GPU"
+    import triton.testing
+
+    import dsv4_kernels as dk
+    import dsv4_kernels.kv_cache as kvc
+    from dsv4_kernels import reference as ref
+
+    from . import harness
+    from .cases_kv_cache import Shape, _keys, _layout
+
+    dev = torch.device("cuda")
+    bw = harness.copy_bandwidth(dev)
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s  {torch.cuda.get_device_name()}")
+    g = torch.Generator(device=dev).manual_seed(99)
+    rows = []
+
+    def bench(fn) -> float:  # type: ignore[no-untyped-def]
+        return float(triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
+
+    variants = [(bt, nw) for bt in (1, 2, 4, 8) for nw in (1, 2, 4, 8) if bt * 128 // nw >= 16]
+    for shape in [
+        Shape("1x16384", 1, 16384, None, 64, "swa"),
+        Shape("16x1024", 16, 1024, None, 64, "swa"),
+        Shape("c128a-1x16384", 1, 16384, None, 2, "c128a"),
+    ]:
+        bs = shape.block_size
+        num_pages, table = _layout(shape, dev, g)
+        pos = torch.arange(shape.seq_len, device=dev)
+        slots = (table[:, pos // bs].long() * bs + pos % bs).reshape(-1)
+        n = slots.numel()
+        k = _keys(n, dev, g)
+        cache = dk.empty_k_cache(num_pages, bs, dev)
+        cache.random_(0, 256, generator=g)
+        want = cache.clone()
+        ref.quantize_and_insert_k_cache(k, want, slots, bs)
+        floor_us = n * (1024 + 8 + 584) / bw * 1e6
+        stride = kvc.k_cache_page_stride(bs)
+        for exact in (True, False):
+            for bt, nw in variants:
+                c = cache.clone()
+
+                run = functools.partial(
+                    kvc._launch_insert, k, c, slots, bs, stride, num_pages,
+                    block_t=bt, num_warps=nw, exact_rounding=exact,
+                )  # fmt: skip
+                run()
+                ok = torch.equal(c, want)
+                us = bench(run) * 1e3
+                rows.append(dict(kernel="insert", case=shape.name, block_t=bt, num_warps=nw,
+                                 exact=exact, ok=ok, us=us, floor_us=floor_us))  # fmt: skip
+                print(f"insert {shape.name:<16} exact={exact!s:<5} T={bt} w={nw}  {us:8.2f} us"
+                      f"  x{us / floor_us:5.2f} floor  {'ok' if ok else 'WRONG'}")  # fmt: skip
+
+    for shape in [
+        Shape("1x16384", 1, 16384, None, 64, "swa"),
+        Shape("c4a-1x32768@131072", 1, 32768, None, 64, "c4a"),
+        Shape("16x1024", 16, 1024, None, 64, "swa"),
+        Shape("1x1024", 1, 1024, None, 64, "swa"),
+    ]:
+        bs = shape.block_size
+        num_pages, table = _layout(shape, dev, g)
+        cache = dk.empty_k_cache(num_pages, bs, dev)
+        dk.quantize_and_insert_k_cache(
+            _keys(num_pages * bs, dev, g), cache, torch.arange(num_pages * bs, device=dev), bs
+        )
+        seq = torch.full((shape.num_reqs,), shape.seq_len, dtype=torch.int32, device=dev)
+        out = torch.empty((shape.num_reqs, shape.seq_len, 512), dtype=torch.bfloat16, device=dev)
+        want = torch.full_like(out, float("nan"))
+        ref.dequantize_and_gather_k_cache(want, cache, seq, None, table, bs, 0)
+        n = shape.num_reqs * shape.seq_len
+        floor_us = (n * (584 + 1024) + table.numel() * 4) / bw * 1e6
+        stride = kvc.k_cache_page_stride(bs)
+        for bt, nw in variants:
+            run = functools.partial(
+                kvc._launch_gather, out, cache, seq, None, table, bs, 0, stride,
+                block_t=bt, num_warps=nw,
+            )  # fmt: skip
+            out.fill_(float("nan"))
+            run()
+            ok = torch.equal(out.view(torch.int16), want.view(torch.int16))
+            us = bench(run) * 1e3
+            rows.append(dict(kernel="gather", case=shape.name, block_t=bt, num_warps=nw,
+                             exact=True, ok=ok, us=us, floor_us=floor_us))  # fmt: skip
+            print(f"gather {shape.name:<20} T={bt} w={nw}  {us:8.2f} us  x{us / floor_us:5.2f} "
+                  f"floor  {'ok' if ok else 'WRONG'}")  # fmt: skip
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sweep_kv_cache.json").write_text(json.dumps(rows, indent=1))
+    print("\nbest per case:")
+    for kernel in ("insert", "gather"):
+        for case in dict.fromkeys(r["case"] for r in rows if r["kernel"] == kernel):
+            sel = [r for r in rows if r["kernel"] == kernel and r["case"] == case and r["ok"]]
+            best = min(sel, key=lambda r: r["us"])
+            ratio = best["us"] / best["floor_us"]
+            print(f"  {kernel} {case:<20} T={best['block_t']} w={best['num_warps']} "
+                  f"exact={best['exact']}  {best['us']:.2f} us = {ratio:.2f}x floor")  # fmt: skip
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(bad)} wrong variants" + (f": {bad[:3]}" if bad else ""))
+    return 1 if bad else 0 if math.isfinite(bw) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
