@@ -84,6 +84,8 @@ def _combine_topk_swa_indices_kernel(
             # Latency-bound calls: issue the top-k tile (up to the top-k width)
             # together with the request lookup instead of after it.
             early = tl.load(topk_row + c, mask=(c < topk) & tok_ok[:, None], other=-1)
+        else:
+            early = tl.full([BLOCK_T, BLOCK_C], -1, dtype=tl.int32)
 
     # Request of each token and its metadata.  ONEHOT: one round of loads of
     # whole request tiles, each token picking its request by start <= t < end.
