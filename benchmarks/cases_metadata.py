@@ -40,8 +40,14 @@ COMBINE_SMOKE = [
     CombineShape("swa-2x96", "swa", 2, 96, 96),
     CombineShape("c128a-1x64@1024", "c128a", 1, 64, 1024),
 ]
-GLOBAL_TOKENS = [1024, 4096, 16384]
-GLOBAL_SMOKE = [64]
+# (name, requests, query tokens per request, context per request)
+GLOBAL_MATRIX = [
+    ("1x1024", 1, 1024, 1024),
+    ("4x1024", 4, 1024, 1024),
+    ("16x1024", 16, 1024, 1024),
+    ("1x16384@131072", 1, 16384, 131072),
+]
+GLOBAL_SMOKE = [("2x32@512", 2, 32, 512)]
 
 
 def _combine_inputs(shape: CombineShape, device: torch.device, g: torch.Generator) -> dict:
@@ -128,30 +134,41 @@ def build_combine_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
 
 
 def build_global_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
+    """The C4A indexer's top-k rows of prefill chunks, mapped to compressed-cache slots.
+
+    Each token's row holds ``min(512, (pos + 1) // 4)`` random entries of its
+    request's compressed history, then -1 (as the indexer leaves them); each
+    request's pages are a random set of the cache's pages.
+    """
     import dsv4_kernels as dk
     from dsv4_kernels import reference as ref
 
     g = torch.Generator().manual_seed(4321)
     cases = []
     block_size, K = 64, C4A_TOPK
-    for T in GLOBAL_SMOKE if smoke else GLOBAL_TOKENS:
-        context = 131072
-        entries = context // 4
-        pages = entries // block_size
-        topk = torch.randint(0, entries, (T, K), generator=g, dtype=torch.int32)
-        topk[:, -7:] = -1
-        req = torch.zeros(T, dtype=torch.int32)
-        table = torch.randperm(pages * 4, generator=g)[:pages].to(torch.int32)[None, :]
+    for name, num_reqs, q, context in GLOBAL_SMOKE if smoke else GLOBAL_MATRIX:
+        T = num_reqs * q
+        pos = (context - q) + torch.arange(q).repeat(num_reqs)
+        avail = (pos + 1) // 4  # compressed entries visible to each token
+        topk_len = avail.clamp(max=K)
+        entries = torch.floor(torch.rand((T, K), generator=g) * avail[:, None]).to(torch.int32)
+        topk = torch.where(torch.arange(K)[None, :] < topk_len[:, None], entries, -1)
+        req = torch.arange(num_reqs, dtype=torch.int32).repeat_interleave(q)
+        pages = -(-context // 4 // block_size)
+        table = torch.stack([torch.randperm(pages * num_reqs * 2, generator=g)[:pages]
+                             for _ in range(num_reqs)]).to(torch.int32)  # fmt: skip
         valid = torch.ones(T, dtype=torch.bool)
-        valid[-3:] = False
-        args = [x.to(device) for x in (topk, req, table)]
-        args = [*args[:3], block_size, valid.to(device)]
+        args = [topk.to(device), req.to(device), table.to(device), block_size, valid.to(device)]
         want = ref.compute_global_topk_indices_and_lens(*args)
         prov = _provider("dsv4-kernels", lambda a=args: dk.compute_global_topk_indices_and_lens(*a),
                          want)  # fmt: skip
-        floor = T * K * 4 * 2 + T * (4 + 1 + 4) + table.numel() * 4
-        cases.append(BenchCase("compute_global_topk_indices_and_lens", f"{T}x{K}", T, floor,
-                               [prov], {"topk": K, "block_size": block_size}))  # fmt: skip
+        live = int(topk_len.sum())
+        # each top-k entry read once, each output written once, each live entry's table
+        # word read once (at most the table), the per-token metadata once.
+        floor = T * K * 4 * 2 + T * (4 + 1 + 4) + min(live, table.numel()) * 4
+        cases.append(BenchCase("compute_global_topk_indices_and_lens", name, T, floor, [prov],
+                               {"topk": K, "block_size": block_size, "requests": num_reqs,
+                                "context": context}))  # fmt: skip
     return cases
 
 

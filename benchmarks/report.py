@@ -128,7 +128,7 @@ def summarise(results: Sequence[Result], smoke: bool) -> str:
                                  combine["c4a-1x1024"][OURS].p50_us / launch.p50_us, 1.5,
                                  False))  # fmt: skip
     for case, row in pivot.get("compute_global_topk_indices_and_lens", {}).items():
-        if row[OURS].tokens >= 16384:
+        if row[OURS].tokens >= 16384:  # the seed-like 16x1024 batch and the long-context one
             lines.append(_target(f"global {case} time / floor",
                                  row[OURS].p50_us / row[FLOOR].p50_us, 1.18, False))  # fmt: skip
     cache_speedups = []

@@ -127,25 +127,20 @@ def main() -> None:
             cells.append(f"{t_bench:6.2f}/{t_host:5.1f}/{t_graph:6.2f}")
         print(f"combine {bt:2d} {bc:3d} {nw} {int(oh)} {int(pf > 0)} | " + " | ".join(cells),
               flush=True)
-    T, K = 16384, 512
-    topk = torch.randint(-1, 32768, (T, K), dtype=torch.int32, device=dev)
-    req = torch.zeros(T, dtype=torch.int32, device=dev)
-    table = torch.randint(0, 10**6, (1, 512), dtype=torch.int32, device=dev)
-    valid = torch.ones(T, dtype=torch.bool, device=dev)
-    args = (topk, req, table, 64, valid)
-    want = ref.compute_global_topk_indices_and_lens(*args)
-    out, lens = torch.empty_like(want[0]), torch.empty_like(want[1])
-    print("global BT BK warps | do_bench / host / graph (us), 16384 x 512")
-    for bt, bk, nw in itertools.product((1, 2), (512,), (2, 4)):
+    from .cases_metadata import build_global_cases
+
+    cases = [c for c in build_global_cases(dev, False) if c.tokens == 16384]
+    print("global BT BK warps | per case (" + ", ".join(c.case for c in cases) + "): do_bench us")
+    for bt, bk, nw in itertools.product((1, 2, 4), (256, 512), (2, 4)):
         md.GLOBAL_BLOCK_T, md.GLOBAL_BLOCK_K, md.GLOBAL_NUM_WARPS = bt, bk, nw
-
-        def gfn() -> object:
-            return dk.compute_global_topk_indices_and_lens(*args, out=out, lens_out=lens)
-
-        gfn()
-        assert torch.equal(out, want[0]) and torch.equal(lens, want[1])
-        print(f"global {bt} {bk:3d} {nw} | {_time_us(gfn, dev, 60)[1]:6.2f} / {_host_us(gfn):5.1f}"
-              f" / {_graph_us(gfn):6.2f}", flush=True)
+        cells = []
+        for case in cases:
+            prov = case.providers[0]
+            prov.poison()
+            prov.run()
+            prov.check()
+            cells.append(f"{_time_us(prov.run, dev, 60)[1]:7.2f}")
+        print(f"global {bt} {bk:3d} {nw} | " + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
