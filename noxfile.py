@@ -50,8 +50,13 @@ def _pytest(session: nox.Session, package: str, *marker_args: str) -> None:
     _install(session, package)
     env = {"TRITON_INTERPRET": "1", "PYTHONHASHSEED": "0"}
     session.run(
-        "python", "-m", "pytest", f"tests/{PACKAGES[package]}", *marker_args,
-        *session.posargs, env=env,
+        "python",
+        "-m",
+        "pytest",
+        f"tests/{PACKAGES[package]}",
+        *marker_args,
+        *session.posargs,
+        env=env,
     )
 
 
@@ -60,8 +65,15 @@ def lint(session: nox.Session) -> None:
     """Run pre-commit (hygiene hooks, ruff, ruff format, mypy, codespell) over all files."""
     session.install(TORCH)
     session.install(
-        "pre-commit", "pre-commit-hooks", "ruff", "mypy", "codespell", "types-PyYAML",
-        "pytest", "hypothesis", "numpy",
+        "pre-commit",
+        "pre-commit-hooks",
+        "ruff",
+        "mypy",
+        "codespell",
+        "types-PyYAML",
+        "pytest",
+        "hypothesis",
+        "numpy",
     )
     for package in PACKAGES:
         session.install("--no-deps", "-e", f"./packages/{package}")
@@ -84,7 +96,13 @@ def vllm(session: nox.Session) -> None:
         session.install("--no-deps", f"./packages/{package}")
     session.install("pytest", "hypothesis", "pyyaml", "matplotlib", "tokenizers")
     session.run(
-        "python", "-m", "pytest", "tests", "-m", "vllm", *session.posargs,
+        "python",
+        "-m",
+        "pytest",
+        "tests",
+        "-m",
+        "vllm",
+        *session.posargs,
         env={"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"},
     )
 

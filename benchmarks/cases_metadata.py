@@ -71,14 +71,25 @@ def _combine_inputs(shape: CombineShape, device: torch.device, g: torch.Generato
         cols = torch.arange(topk)[None, :]
         topk_indices = torch.where(cols < topk_len[:, None], vals, -1).to(device)
     return dict(
-        topk_indices=topk_indices, query_start_loc=qsl.to(device), seq_lens=seq.to(device),
-        gather_lens=gather.to(device), window_size=WINDOW, compress_ratio=ratio, topk=topk,
-        M=M, N=N, _topk_read=int(topk_len.sum()) if topk_indices is not None else 0, _T=T,
-    )  # fmt: skip
+        topk_indices=topk_indices,
+        query_start_loc=qsl.to(device),
+        seq_lens=seq.to(device),
+        gather_lens=gather.to(device),
+        window_size=WINDOW,
+        compress_ratio=ratio,
+        topk=topk,
+        M=M,
+        N=N,
+        _topk_read=int(topk_len.sum()) if topk_indices is not None else 0,
+        _T=T,
+    )
 
 
-def _provider(name: str, run: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-              want: tuple[torch.Tensor, torch.Tensor]) -> Provider:  # fmt: skip
+def _provider(
+    name: str,
+    run: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    want: tuple[torch.Tensor, torch.Tensor],
+) -> Provider:
     state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def go() -> None:
@@ -114,9 +125,12 @@ def build_combine_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
         dk.combine_topk_swa_indices(*args, out=out)
         assert torch.equal(out, want[0]), f"{shape.name}: poisoned out= run differs"
         providers = [
-            _provider("dsv4-kernels",
-                      lambda a=args, t=T: dk.combine_topk_swa_indices(*a, num_tokens=t), want)
-        ]  # fmt: skip
+            _provider(
+                "dsv4-kernels",
+                lambda a=args, t=T: dk.combine_topk_swa_indices(*a, num_tokens=t),
+                want,
+            )
+        ]
         for workers in (128, 256):
             providers.append(
                 _provider(
@@ -126,10 +140,23 @@ def build_combine_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
                 )
             )
         floor = topk_read * 4 + T * width * 4 + T * 4 + (3 * shape.num_reqs + 1) * 4
-        cases.append(BenchCase("combine_topk_swa_indices", shape.name, T, floor, providers,
-                               {"layer": shape.layer, "requests": shape.num_reqs,
-                                "query_len": shape.query_len, "context": shape.context,
-                                "topk": inp["topk"], "width": width}))  # fmt: skip
+        cases.append(
+            BenchCase(
+                "combine_topk_swa_indices",
+                shape.name,
+                T,
+                floor,
+                providers,
+                {
+                    "layer": shape.layer,
+                    "requests": shape.num_reqs,
+                    "query_len": shape.query_len,
+                    "context": shape.context,
+                    "topk": inp["topk"],
+                    "width": width,
+                },
+            )
+        )
     return cases
 
 
@@ -155,20 +182,29 @@ def build_global_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
         topk = torch.where(torch.arange(K)[None, :] < topk_len[:, None], entries, -1)
         req = torch.arange(num_reqs, dtype=torch.int32).repeat_interleave(q)
         pages = -(-context // 4 // block_size)
-        table = torch.stack([torch.randperm(pages * num_reqs * 2, generator=g)[:pages]
-                             for _ in range(num_reqs)]).to(torch.int32)  # fmt: skip
+        table = torch.stack(
+            [torch.randperm(pages * num_reqs * 2, generator=g)[:pages] for _ in range(num_reqs)]
+        ).to(torch.int32)
         valid = torch.ones(T, dtype=torch.bool)
         args = [topk.to(device), req.to(device), table.to(device), block_size, valid.to(device)]
         want = ref.compute_global_topk_indices_and_lens(*args)
-        prov = _provider("dsv4-kernels", lambda a=args: dk.compute_global_topk_indices_and_lens(*a),
-                         want)  # fmt: skip
+        prov = _provider(
+            "dsv4-kernels", lambda a=args: dk.compute_global_topk_indices_and_lens(*a), want
+        )
         live = int(topk_len.sum())
         # each top-k entry read once, each output written once, each live entry's table
         # word read once (at most the table), the per-token metadata once.
         floor = T * K * 4 * 2 + T * (4 + 1 + 4) + min(live, table.numel()) * 4
-        cases.append(BenchCase("compute_global_topk_indices_and_lens", name, T, floor, [prov],
-                               {"topk": K, "block_size": block_size, "requests": num_reqs,
-                                "context": context}))  # fmt: skip
+        cases.append(
+            BenchCase(
+                "compute_global_topk_indices_and_lens",
+                name,
+                T,
+                floor,
+                [prov],
+                {"topk": K, "block_size": block_size, "requests": num_reqs, "context": context},
+            )
+        )
     return cases
 
 
@@ -176,6 +212,10 @@ def build_launch_case(device: torch.device) -> BenchCase:
     """An empty Triton kernel: the launch cost the small cases are measured against."""
     from .empty_kernel import launch_empty
 
-    return BenchCase("empty_triton_launch", "launch", 0, 0,
-                     [Provider("triton", lambda: launch_empty(device), lambda: None,
-                               lambda: None)])  # fmt: skip
+    return BenchCase(
+        "empty_triton_launch",
+        "launch",
+        0,
+        0,
+        [Provider("triton", lambda: launch_empty(device), lambda: None, lambda: None)],
+    )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 
 @triton.jit

@@ -153,7 +153,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, rep_ms: int = 20
     src = torch.empty(nbytes // 4, dtype=torch.int32, device=device).random_()
     dst = torch.empty_like(src)
     _, p50, _ = _time_us(lambda: dst.copy_(src), device, rep_ms)
-    del src, dst
     return 2 * nbytes / (p50 * 1e-6)
 
 
@@ -181,13 +180,33 @@ def run_cases(
                 ) from exc
             p20, p50, p80 = _time_us(prov.run, device, rep_ms)
             results.append(
-                Result(case.kernel, prov.name, case.case, case.tokens, p20, p50, p80,
-                       floor_us, case.floor_bytes, case.params)
+                Result(
+                    case.kernel,
+                    prov.name,
+                    case.case,
+                    case.tokens,
+                    p20,
+                    p50,
+                    p80,
+                    floor_us,
+                    case.floor_bytes,
+                    case.params,
+                )
             )
             log(f"  {case.kernel:<40} {case.case:<22} {prov.name:<26} p50 {p50:9.2f} us")
         results.append(
-            Result(case.kernel, FLOOR, case.case, case.tokens, floor_us, floor_us, floor_us,
-                   floor_us, case.floor_bytes, case.params)
+            Result(
+                case.kernel,
+                FLOOR,
+                case.case,
+                case.tokens,
+                floor_us,
+                floor_us,
+                floor_us,
+                floor_us,
+                case.floor_bytes,
+                case.params,
+            )
         )
     return results
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import sys
 from pathlib import Path
@@ -22,10 +21,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.kernels", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--out", type=Path, default=None,
-                   help="output folder (default benchmarks/results/<timestamp>)")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default benchmarks/results/<timestamp>)",
+    )
     p.add_argument("--only", default="", help="comma-separated kernel name substrings to run")
     p.add_argument("--smoke", action="store_true", help="force the small CPU-sized matrix")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per timing")
@@ -60,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         env["mode"] = "cpu-smoke"
     else:
         env["mode"] = "gpu"
-    print(f"device: {env['gpu']}  torch {env['torch']}  triton {env['triton']}  "
-          f"sha {env['git_sha']}")  # fmt: skip
+    print(
+        f"device: {env['gpu']}  torch {env['torch']}  triton {env['triton']}  sha {env['git_sha']}"
+    )
 
     builders = {
         "combine_topk_swa_indices": lambda: build_combine_cases(device, smoke),
@@ -89,13 +96,17 @@ def main(argv: list[str] | None = None) -> int:
         if gpu:
             torch.cuda.empty_cache()
     harness.write_jsonl(results, env, out_dir / "results.jsonl")
-    table = write_table(results, env, out_dir / "table.md", command=" ".join(["python -m benchmarks.kernels", *sys.argv[1:]]))
+    table = write_table(
+        results,
+        env,
+        out_dir / "table.md",
+        command=" ".join(["python -m benchmarks.kernels", *sys.argv[1:]]),
+    )
     write_plot(results, env, out_dir / "plot.png")
     print(table)
     print(summarise(results, smoke=smoke))
     print(f"results in {out_dir}")
     return 0
-
 
 
 if __name__ == "__main__":

@@ -43,15 +43,17 @@ def write_table(results: Sequence[Result], env: dict[str, str], path: Path, comm
         if seed_style:
             head.append("256 vs 128")
         head += [OURS, *(f"speed-up vs {p}" for p in providers), "floor", "ours / floor"]
-        lines += [f"### {kernel}", "", "| " + " | ".join(head) + " |",
-                  "|" + "---|" * len(head)]  # fmt: skip
+        lines += [f"### {kernel}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for case, row in cases.items():
             cells = [case, str(next(iter(row.values())).tokens)]
             cells += [f"{row[p].p50_us:.2f}" for p in providers]
             if seed_style:
                 a, b = row["per-request-workers-128"].p50_us, row["per-request-workers-256"].p50_us
-                cells.append(f"{(a - b) / a * 100:+.1f}% faster" if b <= a
-                             else f"{(b - a) / a * 100:.1f}% slower")  # fmt: skip
+                cells.append(
+                    f"{(a - b) / a * 100:+.1f}% faster"
+                    if b <= a
+                    else f"{(b - a) / a * 100:.1f}% slower"
+                )
             ours = row.get(OURS)
             if ours is not None:
                 cells.append(f"**{ours.p50_us:.2f}**")
@@ -93,8 +95,11 @@ def write_plot(results: Sequence[Result], env: dict[str, str], path: Path) -> No
         ax.set_ylabel("p50 (us)")
         ax.set_title(kernel, fontsize=10)
         ax.legend(fontsize=7)
-    fig.suptitle(f"{env['gpu']} ({env.get('mode')}), torch {env['torch']}, "
-                 f"Triton {env['triton']}, {env['git_sha']}", fontsize=9)  # fmt: skip
+    fig.suptitle(
+        f"{env['gpu']} ({env.get('mode')}), torch {env['torch']}, "
+        f"Triton {env['triton']}, {env['git_sha']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -113,24 +118,42 @@ def summarise(results: Sequence[Result], smoke: bool) -> str:
     lines = ["Targets" + (" (CPU smoke: NOT meaningful, GPU only)" if smoke else "") + ":"]
     combine = pivot.get("combine_topk_swa_indices", {})
     if combine:
-        speedups = [row["per-request-workers-256"].p50_us / row[OURS].p50_us
-                    for row in combine.values()]  # fmt: skip
-        lines.append(_target("combine geomean speed-up vs per-request-workers-256",
-                             _geomean(speedups), 2.5, True))  # fmt: skip
+        speedups = [
+            row["per-request-workers-256"].p50_us / row[OURS].p50_us for row in combine.values()
+        ]
+        lines.append(
+            _target(
+                "combine geomean speed-up vs per-request-workers-256", _geomean(speedups), 2.5, True
+            )
+        )
         for case in ("c4a-1x16384", "c4a-1x16384@131072"):
             if case in combine:
                 row = combine[case]
-                lines.append(_target(f"combine {case} time / floor",
-                                     row[OURS].p50_us / row[FLOOR].p50_us, 1.18, False))  # fmt: skip
+                lines.append(
+                    _target(
+                        f"combine {case} time / floor",
+                        row[OURS].p50_us / row[FLOOR].p50_us,
+                        1.18,
+                        False,
+                    )
+                )
         launch = pivot.get("empty_triton_launch", {}).get("launch", {}).get("triton")
         if launch and "c4a-1x1024" in combine:
-            lines.append(_target("combine c4a-1x1024 time / empty Triton launch",
-                                 combine["c4a-1x1024"][OURS].p50_us / launch.p50_us, 1.5,
-                                 False))  # fmt: skip
+            lines.append(
+                _target(
+                    "combine c4a-1x1024 time / empty Triton launch",
+                    combine["c4a-1x1024"][OURS].p50_us / launch.p50_us,
+                    1.5,
+                    False,
+                )
+            )
     for case, row in pivot.get("compute_global_topk_indices_and_lens", {}).items():
         if row[OURS].tokens >= 16384:  # the seed-like 16x1024 batch and the long-context one
-            lines.append(_target(f"global {case} time / floor",
-                                 row[OURS].p50_us / row[FLOOR].p50_us, 1.18, False))  # fmt: skip
+            lines.append(
+                _target(
+                    f"global {case} time / floor", row[OURS].p50_us / row[FLOOR].p50_us, 1.18, False
+                )
+            )
     cache_speedups = []
     for kernel, cases in pivot.items():
         if "k_cache" not in kernel:
@@ -139,9 +162,21 @@ def summarise(results: Sequence[Result], smoke: bool) -> str:
             if "per-request-workers-128" in row and OURS in row:
                 cache_speedups.append(row["per-request-workers-128"].p50_us / row[OURS].p50_us)
             if OURS in row and row[OURS].tokens >= 16384 and row[FLOOR].p50_us > 0:
-                lines.append(_target(f"{kernel} {case} time / floor",
-                                     row[OURS].p50_us / row[FLOOR].p50_us, 1.25, False))  # fmt: skip
+                lines.append(
+                    _target(
+                        f"{kernel} {case} time / floor",
+                        row[OURS].p50_us / row[FLOOR].p50_us,
+                        1.25,
+                        False,
+                    )
+                )
     if cache_speedups:
-        lines.append(_target("k-cache geomean speed-up vs per-request-workers-128",
-                             _geomean(cache_speedups), 5.0, True))  # fmt: skip
+        lines.append(
+            _target(
+                "k-cache geomean speed-up vs per-request-workers-128",
+                _geomean(cache_speedups),
+                5.0,
+                True,
+            )
+        )
     return "\n".join(lines)

@@ -72,10 +72,35 @@ def host_breakdown(dev: torch.device) -> None:
 
     def raw() -> None:
         k._combine_topk_swa_indices_kernel[(triton.cdiv(T, 8), 5)](
-            ti, qsl, seq, gl, lens, lens, out, lens, ti.stride(0) // 4, out.stride(0), T, 1,
-            512, 5, args[7], args[8], 0, WINDOW=128, RATIO=4, HAS_TOPK=True, HAS_IMAGES=False,
-            TOPK_ALIGN=4, ROW_ALIGN=128, BLOCK_T=md.COMBINE_BLOCK_T, BLOCK_C=md.COMBINE_BLOCK_C,
-            BLOCK_R=md.COMBINE_BLOCK_R, ONEHOT=md.COMBINE_ONEHOT, num_warps=md.COMBINE_NUM_WARPS)
+            ti,
+            qsl,
+            seq,
+            gl,
+            lens,
+            lens,
+            out,
+            lens,
+            ti.stride(0) // 4,
+            out.stride(0),
+            T,
+            1,
+            512,
+            5,
+            args[7],
+            args[8],
+            0,
+            WINDOW=128,
+            RATIO=4,
+            HAS_TOPK=True,
+            HAS_IMAGES=False,
+            TOPK_ALIGN=4,
+            ROW_ALIGN=128,
+            BLOCK_T=md.COMBINE_BLOCK_T,
+            BLOCK_C=md.COMBINE_BLOCK_C,
+            BLOCK_R=md.COMBINE_BLOCK_R,
+            ONEHOT=md.COMBINE_ONEHOT,
+            num_warps=md.COMBINE_NUM_WARPS,
+        )
 
     def validate() -> None:
         md._combine_args(*args, out, None, None, 0, None)
@@ -87,7 +112,8 @@ def host_breakdown(dev: torch.device) -> None:
         "combine: validation only": validate,
         "combine: raw Triton launch": raw,
         "combine: public call with out=": lambda: dk.combine_topk_swa_indices(
-            *args, out=out, lens_out=lens),
+            *args, out=out, lens_out=lens
+        ),
         "combine: public call, allocating": lambda: dk.combine_topk_swa_indices(*args),
     }
     for name, fn in rows.items():
@@ -108,8 +134,12 @@ def main() -> None:
             inputs[s.name] = (list(inp.values()), T)
     wants = {k: ref.combine_topk_swa_indices(*a, num_tokens=t) for k, (a, t) in inputs.items()}
     print("combine BT BC warps onehot prefetch | per case: do_bench / host / graph (us)")
-    configs = [(bt, bc, nw, oh, pf) for bt, bc, nw in ((8, 128, 2), (8, 128, 4), (16, 128, 4))
-               for oh in (False, True) for pf in (0, 1 << 30)]  # fmt: skip
+    configs = [
+        (bt, bc, nw, oh, pf)
+        for bt, bc, nw in ((8, 128, 2), (8, 128, 4), (16, 128, 4))
+        for oh in (False, True)
+        for pf in (0, 1 << 30)
+    ]
     for bt, bc, nw, oh, pf in configs:
         md.COMBINE_BLOCK_T, md.COMBINE_BLOCK_C, md.COMBINE_NUM_WARPS = bt, bc, nw
         md.COMBINE_ONEHOT, md.COMBINE_PREFETCH_MAX_ENTRIES = oh, pf
@@ -125,8 +155,10 @@ def main() -> None:
             assert torch.equal(out, wants[name][0]) and torch.equal(lens, wants[name][1])
             t_bench, t_host, t_graph = _time_us(fn, dev, 60)[1], _host_us(fn), _graph_us(fn)
             cells.append(f"{t_bench:6.2f}/{t_host:5.1f}/{t_graph:6.2f}")
-        print(f"combine {bt:2d} {bc:3d} {nw} {int(oh)} {int(pf > 0)} | " + " | ".join(cells),
-              flush=True)
+        print(
+            f"combine {bt:2d} {bc:3d} {nw} {int(oh)} {int(pf > 0)} | " + " | ".join(cells),
+            flush=True,
+        )
     from .cases_metadata import build_global_cases
 
     cases = [c for c in build_global_cases(dev, False) if c.tokens == 16384]

@@ -19,11 +19,23 @@ from dsv4_kernels.geometry import combined_width
 
 @triton.jit
 def _per_request_combine_kernel(
-    out_ptr, out_stride, lens_ptr, topk_ptr, topk_stride,
-    qsl_ptr, seq_lens_ptr, gather_lens_ptr, M, N, topk,
-    NUM_WORKERS: tl.constexpr, TOPK_WIDTH: tl.constexpr, WINDOW: tl.constexpr,
-    RATIO: tl.constexpr, HAS_TOPK: tl.constexpr,
-):  # fmt: skip
+    out_ptr,
+    out_stride,
+    lens_ptr,
+    topk_ptr,
+    topk_stride,
+    qsl_ptr,
+    seq_lens_ptr,
+    gather_lens_ptr,
+    M,
+    N,
+    topk,
+    NUM_WORKERS: tl.constexpr,
+    TOPK_WIDTH: tl.constexpr,
+    WINDOW: tl.constexpr,
+    RATIO: tl.constexpr,
+    HAS_TOPK: tl.constexpr,
+):
     b = tl.program_id(0)
     w = tl.program_id(1)
     qs0 = tl.load(qsl_ptr)
@@ -45,14 +57,18 @@ def _per_request_combine_kernel(
         if RATIO > 0:
             kmask = offs_k < topk_len
             if HAS_TOPK:
-                local = tl.load(topk_ptr + tl.cast(t, tl.int64) * topk_stride + offs_k, mask=kmask,
-                                other=-1)  # fmt: skip
+                local = tl.load(
+                    topk_ptr + tl.cast(t, tl.int64) * topk_stride + offs_k, mask=kmask, other=-1
+                )
             else:
                 local = offs_k
             val = tl.where((local >= 0) & (local < N), local + M * b, -1)
             tl.store(row + offs_k, val, mask=kmask)
-        tl.store(row + topk_len + offs_w, M * b + N + swa_start - gather_start + offs_w,
-                 mask=offs_w < swa_len)  # fmt: skip
+        tl.store(
+            row + topk_len + offs_w,
+            M * b + N + swa_start - gather_start + offs_w,
+            mask=offs_w < swa_len,
+        )
         tl.store(lens_ptr + t, topk_len + swa_len)
 
 
@@ -77,10 +93,21 @@ def combine_per_request_workers(
     ratio = compress_ratio if compress_ratio > 1 else 0
     has_topk = topk_indices is not None and topk > 0
     _per_request_combine_kernel[(seq_lens.shape[0], num_workers)](
-        out, out.stride(0), lens, topk_indices if has_topk else out,
+        out,
+        out.stride(0),
+        lens,
+        topk_indices if has_topk else out,
         topk_indices.stride(0) if has_topk else 0,  # type: ignore[union-attr]
-        query_start_loc, seq_lens, gather_lens, M, N, topk if ratio else 0,
-        NUM_WORKERS=num_workers, TOPK_WIDTH=triton.next_power_of_2(max(topk, 1)),
-        WINDOW=window_size, RATIO=ratio, HAS_TOPK=has_topk,
-    )  # fmt: skip
+        query_start_loc,
+        seq_lens,
+        gather_lens,
+        M,
+        N,
+        topk if ratio else 0,
+        NUM_WORKERS=num_workers,
+        TOPK_WIDTH=triton.next_power_of_2(max(topk, 1)),
+        WINDOW=window_size,
+        RATIO=ratio,
+        HAS_TOPK=has_topk,
+    )
     return out, lens

@@ -45,14 +45,26 @@ class Batch:
         )
 
     def args(self) -> tuple[object, ...]:
-        return (self.topk_indices, self.query_start_loc, self.seq_lens, self.gather_lens,
-                self.window, self.ratio, self.topk, self.M, self.N)
+        return (
+            self.topk_indices,
+            self.query_start_loc,
+            self.seq_lens,
+            self.gather_lens,
+            self.window,
+            self.ratio,
+            self.topk,
+            self.M,
+            self.N,
+        )
 
     def kwargs(self) -> dict[str, object]:
         if self.left is None:
             return {}
-        return {"left_visible": self.left, "right_visible": self.right,
-                "max_image_tokens": self.max_image_tokens}
+        return {
+            "left_visible": self.left,
+            "right_visible": self.right,
+            "max_image_tokens": self.max_image_tokens,
+        }
 
 
 def make_batch(
@@ -110,5 +122,19 @@ def make_batch(
     if images:
         left = randint(0, window + max_image_tokens // 2, (num_tokens,))
         right = randint(0, max_image_tokens // 2 + 1, (num_tokens,))
-    return Batch(seed, topk_indices, qsl, seq.to(torch.int32), gather.to(torch.int32), window,
-                 ratio, topk, M, N, num_tokens, left, right, max_image_tokens)
+    return Batch(
+        seed,
+        topk_indices,
+        qsl,
+        seq.to(torch.int32),
+        gather.to(torch.int32),
+        window,
+        ratio,
+        topk,
+        M,
+        N,
+        num_tokens,
+        left,
+        right,
+        max_image_tokens,
+    )

@@ -20,20 +20,46 @@ TARGET = GPUTarget("cuda", 90, 32)
 ALIGNED = [["tt.divisibility", 16]]  # what Triton specialises 16-byte aligned args to
 
 COMBINE_SIG = {
-    "topk_ptr": "*i32", "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "gather_lens_ptr": "*i32",
-    "left_ptr": "*i32", "right_ptr": "*i32", "out_ptr": "*i32", "lens_ptr": "*i32",
-    "topk_stride_units": "i32", "out_stride": "i32", "num_tokens": "i32", "num_reqs": "i32",
-    "topk": "i32", "row_tiles": "i32", "M": "i32", "N": "i32", "prefetch": "i32",
-}  # fmt: skip
+    "topk_ptr": "*i32",
+    "qsl_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "gather_lens_ptr": "*i32",
+    "left_ptr": "*i32",
+    "right_ptr": "*i32",
+    "out_ptr": "*i32",
+    "lens_ptr": "*i32",
+    "topk_stride_units": "i32",
+    "out_stride": "i32",
+    "num_tokens": "i32",
+    "num_reqs": "i32",
+    "topk": "i32",
+    "row_tiles": "i32",
+    "M": "i32",
+    "N": "i32",
+    "prefetch": "i32",
+}
 GLOBAL_SIG = {
-    "topk_ptr": "*i32", "req_ptr": "*i32", "valid_ptr": "*i1", "block_table_ptr": "*i32",
-    "out_ptr": "*i32", "lens_ptr": "*i32", "topk_stride": "i32", "out_stride": "i32",
-    "block_table_stride": "i32", "num_tokens": "i32", "num_pages": "i32",
-}  # fmt: skip
+    "topk_ptr": "*i32",
+    "req_ptr": "*i32",
+    "valid_ptr": "*i1",
+    "block_table_ptr": "*i32",
+    "out_ptr": "*i32",
+    "lens_ptr": "*i32",
+    "topk_stride": "i32",
+    "out_stride": "i32",
+    "block_table_stride": "i32",
+    "num_tokens": "i32",
+    "num_pages": "i32",
+}
 
 
-def _ptx(fn: object, signature: dict[str, str], constexprs: dict[str, object],
-         aligned: list[int], num_warps: int) -> dict[str, int]:  # fmt: skip
+def _ptx(
+    fn: object,
+    signature: dict[str, str],
+    constexprs: dict[str, object],
+    aligned: list[int],
+    num_warps: int,
+) -> dict[str, int]:
     src = ASTSource(
         fn=fn,
         signature={**signature, **dict.fromkeys(constexprs, "constexpr")},
@@ -51,16 +77,29 @@ def main() -> None:
     report = {}
     for has_topk in (True, False):
         for images in (False, True):
-            const = dict(WINDOW=128, RATIO=4 if has_topk else 128, HAS_TOPK=has_topk,
-                         HAS_IMAGES=images, TOPK_ALIGN=4, ROW_ALIGN=128,
-                         BLOCK_T=md.COMBINE_BLOCK_T, BLOCK_C=md.COMBINE_BLOCK_C,
-                         BLOCK_R=md.COMBINE_BLOCK_R, ONEHOT=md.COMBINE_ONEHOT)  # fmt: skip
+            const = dict(
+                WINDOW=128,
+                RATIO=4 if has_topk else 128,
+                HAS_TOPK=has_topk,
+                HAS_IMAGES=images,
+                TOPK_ALIGN=4,
+                ROW_ALIGN=128,
+                BLOCK_T=md.COMBINE_BLOCK_T,
+                BLOCK_C=md.COMBINE_BLOCK_C,
+                BLOCK_R=md.COMBINE_BLOCK_R,
+                ONEHOT=md.COMBINE_ONEHOT,
+            )
             report[f"combine topk={has_topk} images={images}"] = _ptx(
-                kernels._combine_topk_swa_indices_kernel, COMBINE_SIG, const, [0, 6, 9],
-                md.COMBINE_NUM_WARPS)  # fmt: skip
+                kernels._combine_topk_swa_indices_kernel,
+                COMBINE_SIG,
+                const,
+                [0, 6, 9],
+                md.COMBINE_NUM_WARPS,
+            )
     const = dict(K=512, BLOCK_SIZE=64, BLOCK_T=md.GLOBAL_BLOCK_T, BLOCK_K=md.GLOBAL_BLOCK_K)
-    report["global"] = _ptx(kernels._global_topk_indices_kernel, GLOBAL_SIG, const,
-                            [0, 3, 4, 6, 7], md.GLOBAL_NUM_WARPS)  # fmt: skip
+    report["global"] = _ptx(
+        kernels._global_topk_indices_kernel, GLOBAL_SIG, const, [0, 3, 4, 6, 7], md.GLOBAL_NUM_WARPS
+    )
     print(json.dumps(report))
 
 

@@ -75,8 +75,9 @@ def spec_global(
         for local in topk_indices[t].tolist():
             if bool(is_valid[t]) and local >= 0 and local // block_size < pages:
                 req = int(token_to_req[t])
-                row.append(int(block_table[req, local // block_size]) * block_size
-                           + local % block_size)
+                row.append(
+                    int(block_table[req, local // block_size]) * block_size + local % block_size
+                )
             else:
                 row.append(-1)
         rows.append(row)

@@ -19,8 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_metadata_kernels_compile_for_sm90_with_16_byte_accesses() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run([sys.executable, "-m", "tests.kernels.codegen_probe"], cwd=ROOT,
-                         capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.codegen_probe"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     for variant, counts in report.items():

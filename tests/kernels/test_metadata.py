@@ -35,10 +35,20 @@ def run_and_check(impl: Combine, batch: Batch, device: torch.device) -> None:
     combined, lens = impl(*b.args(), out=out, **b.kwargs())
     assert combined.data_ptr() == out.data_ptr(), "out= was not used"
     rows, want_lens = spec_combine(
-        batch.topk_indices, batch.query_start_loc, batch.seq_lens, batch.gather_lens,
-        batch.window, batch.ratio, batch.topk, batch.M, batch.N, batch.num_tokens,
-        batch.left, batch.right, batch.max_image_tokens,
-    )  # fmt: skip
+        batch.topk_indices,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.gather_lens,
+        batch.window,
+        batch.ratio,
+        batch.topk,
+        batch.M,
+        batch.N,
+        batch.num_tokens,
+        batch.left,
+        batch.right,
+        batch.max_image_tokens,
+    )
     got = combined.cpu()
     assert not (got == POISON).any(), f"seed {batch.seed}: unwritten output elements"
     want = torch.tensor(rows, dtype=torch.int32).reshape(b.num_tokens, width)
@@ -75,18 +85,27 @@ def test_combine_matches_spec(
 ) -> None:
     ratio, topk, generate = LAYERS[layer]
     device = kernel_device if impl == "triton" else torch.device("cpu")
-    batch = make_batch(fresh_seed(), query_lens=query_lens, ratio=ratio, topk=topk,
-                       extra_topk_cols=5, generate_topk=generate, context=(0, 600))  # fmt: skip
+    batch = make_batch(
+        fresh_seed(),
+        query_lens=query_lens,
+        ratio=ratio,
+        topk=topk,
+        extra_topk_cols=5,
+        generate_topk=generate,
+        context=(0, 600),
+    )
     run_and_check(IMPLS[impl], batch, device)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("slice_offset", [1, 4])
-def test_combine_query_start_loc_slice(impl: str, slice_offset: int,
-                                       kernel_device: torch.device) -> None:  # fmt: skip
+def test_combine_query_start_loc_slice(
+    impl: str, slice_offset: int, kernel_device: torch.device
+) -> None:
     device = kernel_device if impl == "triton" else torch.device("cpu")
-    batch = make_batch(fresh_seed(), query_lens=[7, 0, 12], ratio=4, topk=32,
-                       slice_offset=slice_offset)  # fmt: skip
+    batch = make_batch(
+        fresh_seed(), query_lens=[7, 0, 12], ratio=4, topk=32, slice_offset=slice_offset
+    )
     assert int(batch.query_start_loc[0]) > 0 or slice_offset == 1
     run_and_check(IMPLS[impl], batch, device)
 
@@ -96,16 +115,23 @@ def test_combine_query_start_loc_slice(impl: str, slice_offset: int,
 def test_combine_images(impl: str, layer: str, kernel_device: torch.device) -> None:
     ratio, topk, _ = LAYERS[layer]
     device = kernel_device if impl == "triton" else torch.device("cpu")
-    batch = make_batch(fresh_seed(), query_lens=[9, 14], ratio=ratio, topk=topk, images=True,
-                       max_image_tokens=96)  # fmt: skip
+    batch = make_batch(
+        fresh_seed(), query_lens=[9, 14], ratio=ratio, topk=topk, images=True, max_image_tokens=96
+    )
     run_and_check(IMPLS[impl], batch, device)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_combine_negative_positions(impl: str, kernel_device: torch.device) -> None:
     device = kernel_device if impl == "triton" else torch.device("cpu")
-    batch = make_batch(fresh_seed(), query_lens=[6, 4, 8], ratio=4, topk=16,
-                       negative_positions=True, context=(0, 0))  # fmt: skip
+    batch = make_batch(
+        fresh_seed(),
+        query_lens=[6, 4, 8],
+        ratio=4,
+        topk=16,
+        negative_positions=True,
+        context=(0, 0),
+    )
     run_and_check(IMPLS[impl], batch, device)
     # A request shorter than its query: its first rows are all -1 with length 0.
     b = make_batch(1, query_lens=[4], ratio=4, topk=16)
@@ -132,13 +158,21 @@ def test_combine_no_tokens(impl: str, kernel_device: torch.device) -> None:
     negative=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_combine_properties(query_lens: list[int], layer: str, images: bool, negative: bool,
-                            seed: int) -> None:  # fmt: skip
+def test_combine_properties(
+    query_lens: list[int], layer: str, images: bool, negative: bool, seed: int
+) -> None:
     """DESIGN.md invariants on the reference, for any batch hypothesis can build."""
     ratio, topk, generate = LAYERS[layer]
-    b = make_batch(seed, query_lens=query_lens, ratio=ratio, topk=topk, generate_topk=generate,
-                   images=images, max_image_tokens=64 if images else 0,
-                   negative_positions=negative)  # fmt: skip
+    b = make_batch(
+        seed,
+        query_lens=query_lens,
+        ratio=ratio,
+        topk=topk,
+        generate_topk=generate,
+        images=images,
+        max_image_tokens=64 if images else 0,
+        negative_positions=negative,
+    )
     combined, lens = ref.combine_topk_swa_indices(*b.args(), **b.kwargs())
     width = combined_width(b.topk, b.window, b.max_image_tokens)
     assert combined.shape == (b.num_tokens, width)
@@ -162,8 +196,9 @@ def test_combine_properties(query_lens: list[int], layer: str, images: bool, neg
     assert ((diffs == 1) | ~(swa[:, 1:] & swa[:, :-1])).all()
     # the result is the same for the sliced view of a longer query_start_loc
     longer = torch.cat([torch.tensor([0], dtype=torch.int32), b.query_start_loc + 17])
-    shifted, lens2 = ref.combine_topk_swa_indices(b.topk_indices, longer[1:], *b.args()[2:],
-                                                  **b.kwargs())  # fmt: skip
+    shifted, lens2 = ref.combine_topk_swa_indices(
+        b.topk_indices, longer[1:], *b.args()[2:], **b.kwargs()
+    )
     assert torch.equal(shifted, combined) and torch.equal(lens2, lens)
 
 
@@ -175,12 +210,14 @@ GLOBAL_IMPLS = {
 }
 
 
-def make_global_case(seed: int, num_tokens: int, width: int, block_size: int, num_reqs: int,
-                     pages: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def make_global_case(
+    seed: int, num_tokens: int, width: int, block_size: int, num_reqs: int, pages: int
+) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
     # entries: -1, valid, and some whose page lies past the table
-    topk = torch.randint(-1, pages * block_size + 3 * block_size, (num_tokens, width),
-                         generator=g, dtype=torch.int32)  # fmt: skip
+    topk = torch.randint(
+        -1, pages * block_size + 3 * block_size, (num_tokens, width), generator=g, dtype=torch.int32
+    )
     req = torch.randint(0, max(num_reqs, 1), (num_tokens,), generator=g, dtype=torch.int32)
     valid = torch.rand(num_tokens, generator=g) > 0.25
     # invalid (padding) tokens may carry garbage request ids: never read
@@ -192,23 +229,31 @@ def make_global_case(seed: int, num_tokens: int, width: int, block_size: int, nu
 @pytest.mark.parametrize("impl", list(GLOBAL_IMPLS))
 @pytest.mark.parametrize("block_size", [64, 2])
 @pytest.mark.parametrize("num_tokens,width", [(1, 16), (29, 96), (64, 512)])
-def test_global_matches_spec(impl: str, block_size: int, num_tokens: int, width: int,
-                             kernel_device: torch.device) -> None:  # fmt: skip
+def test_global_matches_spec(
+    impl: str, block_size: int, num_tokens: int, width: int, kernel_device: torch.device
+) -> None:
     device = kernel_device if impl == "triton" else torch.device("cpu")
     seed = fresh_seed()
     topk, req, table, valid = make_global_case(seed, num_tokens, width, block_size, 3, 5)
     for valid_t in (valid, valid.to(torch.int32)):
         out = torch.full((num_tokens, width), POISON, dtype=torch.int32, device=device)
         lens_out = torch.full((num_tokens,), POISON, dtype=torch.int32, device=device)
-        got, lens = GLOBAL_IMPLS[impl](topk.to(device), req.to(device), table.to(device),
-                                       block_size, valid_t.to(device), out=out,
-                                       lens_out=lens_out)  # fmt: skip
+        got, lens = GLOBAL_IMPLS[impl](
+            topk.to(device),
+            req.to(device),
+            table.to(device),
+            block_size,
+            valid_t.to(device),
+            out=out,
+            lens_out=lens_out,
+        )
         assert got.data_ptr() == out.data_ptr() and lens.data_ptr() == lens_out.data_ptr()
         rows, want_lens = spec_global(topk, req, table, block_size, valid)
         assert got.cpu().tolist() == rows, f"seed {seed}"
         assert lens.cpu().tolist() == want_lens, f"seed {seed}"
-    fresh, fresh_lens = GLOBAL_IMPLS[impl](topk.to(device), req.to(device), table.to(device),
-                                           block_size, valid.to(device))  # fmt: skip
+    fresh, fresh_lens = GLOBAL_IMPLS[impl](
+        topk.to(device), req.to(device), table.to(device), block_size, valid.to(device)
+    )
     assert fresh.cpu().tolist() == rows and fresh_lens.cpu().tolist() == want_lens
 
 
@@ -224,11 +269,20 @@ def test_global_empty_table_reads_nothing(kernel_device: torch.device) -> None:
 
 # --- bad input --------------------------------------------------------------------------
 
+
 def good_combine_args() -> dict[str, object]:
     b = make_batch(3, query_lens=[4, 2], ratio=4, topk=16)
-    return dict(topk_indices=b.topk_indices, query_start_loc=b.query_start_loc,
-                seq_lens=b.seq_lens, gather_lens=b.gather_lens, window_size=128,
-                compress_ratio=4, topk=16, M=b.M, N=b.N)  # fmt: skip
+    return dict(
+        topk_indices=b.topk_indices,
+        query_start_loc=b.query_start_loc,
+        seq_lens=b.seq_lens,
+        gather_lens=b.gather_lens,
+        window_size=128,
+        compress_ratio=4,
+        topk=16,
+        M=b.M,
+        N=b.N,
+    )
 
 
 def _meta_like(t: object) -> torch.Tensor:
@@ -254,13 +308,21 @@ def _meta_like(t: object) -> torch.Tensor:
         (lambda a: a.update(window_size=0), "window_size must be > 0"),
         (lambda a: a.update(compress_ratio=1), "topk must be 0 for SWA-only"),
         (lambda a: a.update(topk_indices=None), "topk_indices may be None only"),
-        (lambda a: a.update(out=torch.empty((6, 128), dtype=torch.int32)), r"out must have shape \(6, 256\)"),
+        (
+            lambda a: a.update(out=torch.empty((6, 128), dtype=torch.int32)),
+            r"out must have shape \(6, 256\)",
+        ),
         (lambda a: a.update(out=torch.empty((6, 256), dtype=torch.int64)), "out must have dtype"),
         (lambda a: a.update(left_visible=torch.zeros(6, dtype=torch.int32)), "given together"),
-        (lambda a: a.update(left_visible=torch.zeros(5, dtype=torch.int32),
-                            right_visible=torch.zeros(5, dtype=torch.int32)), "left_visible must have 6"),
+        (
+            lambda a: a.update(
+                left_visible=torch.zeros(5, dtype=torch.int32),
+                right_visible=torch.zeros(5, dtype=torch.int32),
+            ),
+            "left_visible must have 6",
+        ),
     ],
-)  # fmt: skip
+)
 def test_combine_bad_input(change: Callable[[dict[str, object]], None], match: str) -> None:
     args = good_combine_args()
     change(args)
@@ -272,19 +334,36 @@ def test_combine_bad_input(change: Callable[[dict[str, object]], None], match: s
     "change,match",
     [
         (lambda a: a.update(topk_indices=a["topk_indices"].long()), "topk_indices must have dtype"),
-        (lambda a: a.update(token_to_req_indices=a["token_to_req_indices"][:3]), "token_to_req_indices must have 8"),
+        (
+            lambda a: a.update(token_to_req_indices=a["token_to_req_indices"][:3]),
+            "token_to_req_indices must have 8",
+        ),
         (lambda a: a.update(block_table=a["block_table"].long()), "block_table must have dtype"),
         (lambda a: a.update(block_table=a["block_table"][0]), "block_table must be 2-dim"),
         (lambda a: a.update(block_size=0), "block_size must be > 0"),
-        (lambda a: a.update(is_valid_token=a["is_valid_token"].float()), "is_valid_token must have dtype"),
-        (lambda a: a.update(is_valid_token=_meta_like(a["is_valid_token"])), "is_valid_token must be on cpu"),
-        (lambda a: a.update(out=torch.empty((8, 15), dtype=torch.int32)), r"out must have shape \(8, 16\)"),
+        (
+            lambda a: a.update(is_valid_token=a["is_valid_token"].float()),
+            "is_valid_token must have dtype",
+        ),
+        (
+            lambda a: a.update(is_valid_token=_meta_like(a["is_valid_token"])),
+            "is_valid_token must be on cpu",
+        ),
+        (
+            lambda a: a.update(out=torch.empty((8, 15), dtype=torch.int32)),
+            r"out must have shape \(8, 16\)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_global_bad_input(change: Callable[[dict[str, object]], None], match: str) -> None:
     topk, req, table, valid = make_global_case(5, 8, 16, 64, 2, 3)
-    args: dict[str, object] = dict(topk_indices=topk, token_to_req_indices=req, block_table=table,
-                                   block_size=64, is_valid_token=valid)  # fmt: skip
+    args: dict[str, object] = dict(
+        topk_indices=topk,
+        token_to_req_indices=req,
+        block_table=table,
+        block_size=64,
+        is_valid_token=valid,
+    )
     change(args)
     with pytest.raises(ValueError, match=match):
         dk.compute_global_topk_indices_and_lens(**args)  # type: ignore[arg-type]
@@ -294,8 +373,14 @@ def test_global_bad_input(change: Callable[[dict[str, object]], None], match: st
 def test_combine_num_tokens_for_generated_topk(impl: str, kernel_device: torch.device) -> None:
     """C128A without topk_indices: num_tokens= gives the count without a device read."""
     device = kernel_device if impl == "triton" else torch.device("cpu")
-    b = make_batch(fresh_seed(), query_lens=[11, 0, 6], ratio=128, topk=8, generate_topk=True,
-                   context=(0, 2000)).to(device)  # fmt: skip
+    b = make_batch(
+        fresh_seed(),
+        query_lens=[11, 0, 6],
+        ratio=128,
+        topk=8,
+        generate_topk=True,
+        context=(0, 2000),
+    ).to(device)
     want = IMPLS[impl](*b.args())  # count read back from query_start_loc
     got = IMPLS[impl](*b.args(), num_tokens=b.num_tokens)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -335,8 +420,14 @@ def test_cpu_tensors_use_the_reference_without_the_interpreter() -> None:
 @pytest.mark.parametrize("extra_cols", [0, 3], ids=["aligned-rows", "unaligned-rows"])
 def test_combine_topk_row_alignment(extra_cols: int, kernel_device: torch.device) -> None:
     """16-byte top-k loads (width % 4 == 0) and the scalar fallback give the same rows."""
-    batch = make_batch(fresh_seed(), query_lens=[19, 0, 33], ratio=4, topk=61,
-                       extra_topk_cols=extra_cols, slice_offset=2)  # fmt: skip
+    batch = make_batch(
+        fresh_seed(),
+        query_lens=[19, 0, 33],
+        ratio=4,
+        topk=61,
+        extra_topk_cols=extra_cols,
+        slice_offset=2,
+    )
     run_and_check(dk.combine_topk_swa_indices, batch, kernel_device)
     # a view whose rows start at an odd element (not 16-byte aligned)
     assert batch.topk_indices is not None

@@ -51,9 +51,17 @@ def test_combine_random_batches_on_gpu(layer: str, gpu: torch.device) -> None:
     ratio, topk = {"c4a": (4, 512), "c128a": (128, 96), "swa": (1, 0), "images": (4, 512)}[layer]
     g = torch.Generator().manual_seed(fresh_seed())
     lens = torch.randint(0, 700, (37,), generator=g).tolist()
-    b = make_batch(fresh_seed(), query_lens=lens, ratio=ratio, topk=topk, context=(0, 9000),
-                   slice_offset=3, images=layer == "images", max_image_tokens=256,
-                   negative_positions=True)  # fmt: skip
+    b = make_batch(
+        fresh_seed(),
+        query_lens=lens,
+        ratio=ratio,
+        topk=topk,
+        context=(0, 9000),
+        slice_offset=3,
+        images=layer == "images",
+        max_image_tokens=256,
+        negative_positions=True,
+    )
     b = b.to(gpu)
     want = ref.combine_topk_swa_indices(*b.args(), **b.kwargs())
     out = torch.full_like(want[0], POISON)
@@ -67,8 +75,9 @@ def test_combine_random_batches_on_gpu(layer: str, gpu: torch.device) -> None:
 
 
 def test_combine_cuda_graph_capture_and_replay(gpu: torch.device) -> None:
-    b = make_batch(fresh_seed(), query_lens=[300, 0, 77, 512], ratio=4, topk=512,
-                   context=(0, 5000)).to(gpu)  # fmt: skip
+    b = make_batch(
+        fresh_seed(), query_lens=[300, 0, 77, 512], ratio=4, topk=512, context=(0, 5000)
+    ).to(gpu)
     width = 640
     out = torch.full((b.num_tokens, width), POISON, dtype=torch.int32, device=gpu)
     lens = torch.full((b.num_tokens,), POISON, dtype=torch.int32, device=gpu)
@@ -118,26 +127,42 @@ def test_no_recompilation_for_runtime_sizes(gpu: torch.device) -> None:
 
     def run_all(seed: int, qlens: list[int], offset: int, c128a_topk: int) -> None:
         for ratio, topk, generate in ((4, 512, False), (128, c128a_topk, True), (1, 0, False)):
-            b = make_batch(seed, query_lens=qlens, ratio=ratio, topk=topk, context=(0, 3000),
-                           slice_offset=offset, generate_topk=generate).to(gpu)  # fmt: skip
+            b = make_batch(
+                seed,
+                query_lens=qlens,
+                ratio=ratio,
+                topk=topk,
+                context=(0, 3000),
+                slice_offset=offset,
+                generate_topk=generate,
+            ).to(gpu)
             got = dk.combine_topk_swa_indices(*b.args(), num_tokens=b.num_tokens)
             want = ref.combine_topk_swa_indices(*b.args(), num_tokens=b.num_tokens)
             assert torch.equal(got[0], want[0])
         T = sum(qlens)
         topk = torch.randint(-1, 4096, (T, 512), dtype=torch.int32, device=gpu)
         dk.compute_global_topk_indices_and_lens(
-            topk, torch.zeros(T, dtype=torch.int32, device=gpu),
-            torch.randint(0, 999, (1, 64 + offset), dtype=torch.int32, device=gpu), 64,
-            torch.ones(T, dtype=torch.bool, device=gpu))  # fmt: skip
+            topk,
+            torch.zeros(T, dtype=torch.int32, device=gpu),
+            torch.randint(0, 999, (1, 64 + offset), dtype=torch.int32, device=gpu),
+            64,
+            torch.ones(T, dtype=torch.bool, device=gpu),
+        )
 
     def counts() -> tuple[int, int]:
-        return (_compiled(kernels._combine_topk_swa_indices_kernel),
-                _compiled(kernels._global_topk_indices_kernel))  # fmt: skip
+        return (
+            _compiled(kernels._combine_topk_swa_indices_kernel),
+            _compiled(kernels._global_topk_indices_kernel),
+        )
 
     run_all(fresh_seed(), [16, 32], 1, 16)  # compiles each variant once
     before = counts()
-    for qlens, offset, width in (([1], 2, 1), ([1000, 17, 0, 3], 5, 33),
-                                 ([4096], 1, 128), ([7, 9, 11, 13, 15], 8, 7)):  # fmt: skip
+    for qlens, offset, width in (
+        ([1], 2, 1),
+        ([1000, 17, 0, 3], 5, 33),
+        ([4096], 1, 128),
+        ([7, 9, 11, 13, 15], 8, 7),
+    ):
         run_all(fresh_seed(), qlens, offset, width)
     assert counts() == before, f"new compilations: {before} -> {counts()}"
     # Caller-provided C128A rows of varying width: the only new variant allowed is
@@ -157,13 +182,23 @@ def test_combine_64bit_row_offsets(gpu: torch.device) -> None:
     qsl = torch.tensor([5, 5 + T], dtype=torch.int32, device=gpu)
     seq = torch.tensor([context], dtype=torch.int32, device=gpu)
     gl = torch.tensor([T + 127], dtype=torch.int32, device=gpu)
-    out, lens = dk.combine_topk_swa_indices(None, qsl, seq, gl, 128, 1, 0, T + 127 + 8, 8,
-                                            out=torch.empty((T, width), dtype=torch.int32,
-                                                            device=gpu))  # fmt: skip
+    out, lens = dk.combine_topk_swa_indices(
+        None,
+        qsl,
+        seq,
+        gl,
+        128,
+        1,
+        0,
+        T + 127 + 8,
+        8,
+        out=torch.empty((T, width), dtype=torch.int32, device=gpu),
+    )
     tail = 8192
     small_qsl = torch.tensor([0, tail], dtype=torch.int32, device=gpu)
-    want, want_lens = ref.combine_topk_swa_indices(None, small_qsl, seq, gl, 128, 1, 0,
-                                                   T + 127 + 8, 8)  # fmt: skip
+    want, want_lens = ref.combine_topk_swa_indices(
+        None, small_qsl, seq, gl, 128, 1, 0, T + 127 + 8, 8
+    )
     assert torch.equal(out[-tail:], want) and torch.equal(lens[-tail:], want_lens)
     del out
 
@@ -178,5 +213,6 @@ def test_global_64bit_row_offsets(gpu: torch.device) -> None:
     out, lens = dk.compute_global_topk_indices_and_lens(topk, req, table, 64, valid)
     tail = 4096
     want, want_lens = ref.compute_global_topk_indices_and_lens(
-        topk[-tail:], req[-tail:], table, 64, valid[-tail:])  # fmt: skip
+        topk[-tail:], req[-tail:], table, 64, valid[-tail:]
+    )
     assert torch.equal(out[-tail:], want) and torch.equal(lens[-tail:], want_lens)

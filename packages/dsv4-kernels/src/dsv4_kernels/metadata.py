@@ -188,22 +188,50 @@ def combine_topk_swa_indices(
             ``topk`` wider than ``topk_indices`` or negative ``M``/``N``.
     """
     num_tokens, width = _combine_args(
-        topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
-        topk, M, N, out, left_visible, right_visible, max_image_tokens, num_tokens,
-    )  # fmt: skip
+        topk_indices,
+        query_start_loc,
+        seq_lens,
+        gather_lens,
+        window_size,
+        compress_ratio,
+        topk,
+        M,
+        N,
+        out,
+        left_visible,
+        right_visible,
+        max_image_tokens,
+        num_tokens,
+    )
     device = query_start_loc.device
     check_out("lens_out", lens_out, (num_tokens,), torch.int32, device)
     if not use_triton(device):
         from .reference import metadata as ref
 
         return ref.combine_topk_swa_indices(
-            topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
-            topk, M, N, out=out, left_visible=left_visible, right_visible=right_visible,
-            max_image_tokens=max_image_tokens, lens_out=lens_out, num_tokens=num_tokens,
-        )  # fmt: skip
+            topk_indices,
+            query_start_loc,
+            seq_lens,
+            gather_lens,
+            window_size,
+            compress_ratio,
+            topk,
+            M,
+            N,
+            out=out,
+            left_visible=left_visible,
+            right_visible=right_visible,
+            max_image_tokens=max_image_tokens,
+            lens_out=lens_out,
+            num_tokens=num_tokens,
+        )
     if out is None:
         out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
-    lens = lens_out if lens_out is not None else torch.empty(num_tokens, dtype=torch.int32, device=device)
+    lens = (
+        lens_out
+        if lens_out is not None
+        else torch.empty(num_tokens, dtype=torch.int32, device=device)
+    )
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0:
         return out, lens
@@ -292,13 +320,15 @@ def compute_global_topk_indices_and_lens(
     check_tensor("topk_indices", topk_indices, dtype=INDEX_DTYPES, ndim=2)
     device = topk_indices.device
     num_tokens, width = topk_indices.shape
-    check_tensor("token_to_req_indices", token_to_req_indices, dtype=INDEX_DTYPES, ndim=1,
-                 device=device)  # fmt: skip
+    check_tensor(
+        "token_to_req_indices", token_to_req_indices, dtype=INDEX_DTYPES, ndim=1, device=device
+    )
     check_length("token_to_req_indices", token_to_req_indices, num_tokens, "one per token")
     check_tensor("block_table", block_table, dtype=INDEX_DTYPES, ndim=2, device=device)
     check_positive_int("block_size", block_size)
-    check_tensor("is_valid_token", is_valid_token, dtype=(torch.bool, torch.int32), ndim=1,
-                 device=device)  # fmt: skip
+    check_tensor(
+        "is_valid_token", is_valid_token, dtype=(torch.bool, torch.int32), ndim=1, device=device
+    )
     check_length("is_valid_token", is_valid_token, num_tokens, "one per token")
     if width > 0 and topk_indices.stride(1) != 1:
         raise ValueError("topk_indices must be contiguous in its last dimension")
@@ -310,12 +340,21 @@ def compute_global_topk_indices_and_lens(
         from .reference import metadata as ref
 
         return ref.compute_global_topk_indices_and_lens(
-            topk_indices, token_to_req_indices, block_table, block_size, is_valid_token,
-            out=out, lens_out=lens_out,
-        )  # fmt: skip
+            topk_indices,
+            token_to_req_indices,
+            block_table,
+            block_size,
+            is_valid_token,
+            out=out,
+            lens_out=lens_out,
+        )
     if out is None:
         out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
-    lens = lens_out if lens_out is not None else torch.empty(num_tokens, dtype=torch.int32, device=device)
+    lens = (
+        lens_out
+        if lens_out is not None
+        else torch.empty(num_tokens, dtype=torch.int32, device=device)
+    )
     if num_tokens == 0:
         return out, lens
     grid = (triton.cdiv(num_tokens, GLOBAL_BLOCK_T),)

@@ -86,7 +86,9 @@ def combine_topk_swa_indices(
     else:
         local = j.expand(num_tokens, width)
     top = torch.where((local >= 0) & (local < N), base[:, None] + local, -1)
-    swa = (base + N + swa_start - (seq - gather_lens.long()[req]))[:, None] + (j - topk_len[:, None])
+    swa = (base + N + swa_start - (seq - gather_lens.long()[req]))[:, None] + (
+        j - topk_len[:, None]
+    )
     value = torch.where(
         j < topk_len[:, None], top, torch.where(j < total[:, None], swa, torch.full_like(swa, -1))
     )
