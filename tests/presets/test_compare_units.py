@@ -544,3 +544,18 @@ def test_http_helpers_talk_to_a_local_server_despite_a_proxy(
         server.server_close()
     # Nothing listening: status 0, no exception.
     assert runner.http_get(base + "/health", timeout=2)[0] == 0
+
+
+def test_report_warns_when_tokens_arrive_in_bursts(tmp_path: Path) -> None:
+    steady = _bench_json(100.0, [10.0, 10.0, 10.0])
+    bursty = _bench_json(100.0, [10.0, 10.0, 10.0])
+    # Whole outputs delivered at once: every gap ~0, the time sits in the TTFT.
+    bursty["itls"] = [[0.0, 0.0, 0.0, 0.00002]] * 3
+    assert report.burst_fraction(steady) == 0.0
+    assert report.burst_fraction(bursty) == 1.0
+    _write_campaign(
+        tmp_path, [("A1", "A", steady, "ok"), ("B1", "B", bursty, "ok"), ("A2", "A", steady, "ok")]
+    )
+    rep, text = report.write_report(tmp_path, resamples=50, plot=False)
+    assert [bool(r.get("warning")) for r in rep["runs"]] == [False, True, False]
+    assert "## Warnings" in text and "- B1: 100% of inter-token latencies" in text

@@ -25,6 +25,7 @@ from .runner import BENCH_FILE, CAMPAIGN_FILE, load_result
 __all__ = [
     "METRICS",
     "build_report",
+    "burst_fraction",
     "per_request_itl_ms",
     "per_request_tpot_ms",
     "render_markdown",
@@ -73,6 +74,23 @@ def per_request_itl_ms(bench: Mapping[str, Any]) -> list[list[float]]:
         for request, n, err in zip(itls, out, errors, strict=False)
         if not err and isinstance(n, int) and n > 0 and request
     ]
+
+
+BURST_ITL_S = 1e-4
+BURST_FRACTION = 0.5
+
+
+def burst_fraction(bench: Mapping[str, Any]) -> float | None:
+    """Share of successful requests' inter-token latencies under 0.1 ms.
+
+    Real decode steps take milliseconds; near-zero gaps mean tokens reached the
+    client in bursts (an overloaded API server or client), so TPOT and ITL then
+    describe delivery rather than generation.  None without per-request data.
+    """
+    gaps = [x for request in per_request_itl_ms(bench) for x in request]
+    if not gaps:
+        return None
+    return sum(1 for x in gaps if x < BURST_ITL_S * 1000.0) / len(gaps)
 
 
 def _load_json(path: Path) -> Any:
@@ -134,6 +152,14 @@ def build_report(
                 if isinstance(bench, dict):
                     tpot_samples[label] = per_request_tpot_ms(bench)
                     itl_samples[label] = per_request_itl_ms(bench)
+                    bursts = burst_fraction(bench)
+                    entry["burst_fraction"] = bursts
+                    if bursts is not None and bursts > BURST_FRACTION:
+                        entry["warning"] = (
+                            f"{bursts:.0%} of inter-token latencies are under 0.1 ms: tokens "
+                            "reached the client in bursts, so this run's TPOT/ITL describe "
+                            "delivery, not generation (overloaded API server or client?)"
+                        )
         runs_out.append(entry)
 
     pairs = stats.pair_runs(sequence, ok)
@@ -300,6 +326,11 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "The paired interval is the one to trust; the per-request bootstrap covers "
         "request-to-request noise inside runs only.",
     ]
+    warned = [r for r in report["runs"] if r.get("warning")]
+    if warned:
+        lines += ["", "## Warnings", ""]
+        for r in warned:
+            lines.append(f"- {r['label']}: {r['warning']}")
     failed = [r for r in report["runs"] if r["status"] == "failed"]
     if failed:
         lines += ["", "## Failed runs (never averaged in)", ""]
