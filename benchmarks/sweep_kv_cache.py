@@ -1,8 +1,9 @@
 """Tile sweep for the FP8 K cache kernels (GPU only): ``python -m benchmarks.sweep_kv_cache``.
 
-Times every (tokens per program, warps) variant of our insert and gather, and
-for insert both roundings (integer RNE and the hardware cast), on the large
-cases of the matrix; each variant is checked byte for byte against the torch
+Times (tokens per program, warps) variants of our insert and gather, with and
+without evict-first stores, and for insert both roundings (integer RNE and the
+hardware cast), on the large cases of the matrix, beside an empty Triton launch
+and a torch copy of the same bytes; each variant is checked byte for byte against the torch
 reference before it is timed.  Prints a table and writes ``sweep_kv_cache.json``
 to ``--out``.  Used to pick the constants in ``dsv4_kernels.kv_cache``.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 from pathlib import Path
@@ -42,11 +44,22 @@ def main(argv: list[str] | None = None) -> int:
     def bench(fn) -> float:  # type: ignore[no-untyped-def]
         return float(triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
 
-    variants = [(bt, nw) for bt in (1, 2, 4, 8) for nw in (1, 2, 4, 8) if bt * 128 // nw >= 16]
+    # Same-run yardsticks: one empty Triton launch, and a torch copy moving the same bytes.
+    from .empty_kernel import launch_empty
+
+    empty_us = bench(lambda: launch_empty(dev)) * 1e3
+    print(f"empty Triton launch {empty_us:.2f} us")
+    rows.append(dict(kernel="empty-launch", case="-", us=empty_us, ok=True, floor_us=0.0))
+
+    def copy_us(nbytes: int) -> float:
+        src = torch.randint(0, 256, (nbytes // 2,), dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        return bench(lambda: dst.copy_(src)) * 1e3
+
+    variants = [(4, 4), (8, 2), (4, 2), (4, 1), (8, 1)]
     for shape in [
         Shape("1x16384", 1, 16384, None, 64, "swa"),
         Shape("16x1024", 16, 1024, None, 64, "swa"),
-        Shape("c128a-1x16384", 1, 16384, None, 2, "c128a"),
     ]:
         bs = shape.block_size
         num_pages, table = _layout(shape, dev, g)
@@ -60,27 +73,33 @@ def main(argv: list[str] | None = None) -> int:
         ref.quantize_and_insert_k_cache(k, want, slots, bs)
         floor_us = n * (1024 + 8 + 584) / bw * 1e6
         stride = kvc.k_cache_page_stride(bs)
-        for exact in (True, False):
-            for bt, nw in variants:
-                c = cache.clone()
-
+        same = copy_us(n * (1024 + 8 + 584))
+        print(f"insert {shape.name}: same-bytes copy {same:.2f} us, floor {floor_us:.2f} us")
+        rows.append(dict(kernel="insert-copy", case=shape.name, us=same, ok=True,
+                         floor_us=floor_us))  # fmt: skip
+        for exact, evict, (bt, nw) in itertools.product((True, False), (False, True), variants):
+            if exact and evict:
+                continue
+            c = cache.clone()
+            if True:
                 run = functools.partial(
                     kvc._launch_insert, k, c, slots, bs, stride, num_pages,
-                    block_t=bt, num_warps=nw, exact_rounding=exact,
+                    block_t=bt, num_warps=nw, exact_rounding=exact, evict_first=evict,
                 )  # fmt: skip
                 run()
                 ok = torch.equal(c, want)
                 us = bench(run) * 1e3
                 rows.append(dict(kernel="insert", case=shape.name, block_t=bt, num_warps=nw,
-                                 exact=exact, ok=ok, us=us, floor_us=floor_us))  # fmt: skip
-                print(f"insert {shape.name:<16} exact={exact!s:<5} T={bt} w={nw}  {us:8.2f} us"
-                      f"  x{us / floor_us:5.2f} floor  {'ok' if ok else 'WRONG'}")  # fmt: skip
+                                 exact=exact, evict=evict, ok=ok, us=us,
+                                 floor_us=floor_us))  # fmt: skip
+                print(f"insert {shape.name:<16} exact={exact!s:<5} evict={evict!s:<5} T={bt} "
+                      f"w={nw}  {us:8.2f} us  x{us / floor_us:5.2f} floor  "
+                      f"{'ok' if ok else 'WRONG'}")  # fmt: skip
 
     for shape in [
         Shape("1x16384", 1, 16384, None, 64, "swa"),
         Shape("c4a-1x32768@131072", 1, 32768, None, 64, "c4a"),
         Shape("16x1024", 16, 1024, None, 64, "swa"),
-        Shape("1x1024", 1, 1024, None, 64, "swa"),
     ]:
         bs = shape.block_size
         num_pages, table = _layout(shape, dev, g)
@@ -95,19 +114,24 @@ def main(argv: list[str] | None = None) -> int:
         n = shape.num_reqs * shape.seq_len
         floor_us = (n * (584 + 1024) + table.numel() * 4) / bw * 1e6
         stride = kvc.k_cache_page_stride(bs)
-        for bt, nw in variants:
+        same = copy_us(n * (584 + 1024))
+        print(f"gather {shape.name}: same-bytes copy {same:.2f} us, floor {floor_us:.2f} us")
+        rows.append(dict(kernel="gather-copy", case=shape.name, us=same, ok=True,
+                         floor_us=floor_us))  # fmt: skip
+        for evict, (bt, nw) in itertools.product((False, True), variants):
             run = functools.partial(
                 kvc._launch_gather, out, cache, seq, None, table, bs, 0, stride,
-                block_t=bt, num_warps=nw,
+                block_t=bt, num_warps=nw, evict_first=evict,
             )  # fmt: skip
             out.fill_(float("nan"))
             run()
             ok = torch.equal(out.view(torch.int16), want.view(torch.int16))
             us = bench(run) * 1e3
             rows.append(dict(kernel="gather", case=shape.name, block_t=bt, num_warps=nw,
-                             exact=True, ok=ok, us=us, floor_us=floor_us))  # fmt: skip
-            print(f"gather {shape.name:<20} T={bt} w={nw}  {us:8.2f} us  x{us / floor_us:5.2f} "
-                  f"floor  {'ok' if ok else 'WRONG'}")  # fmt: skip
+                             exact=True, evict=evict, ok=ok, us=us,
+                             floor_us=floor_us))  # fmt: skip
+            print(f"gather {shape.name:<20} evict={evict!s:<5} T={bt} w={nw}  {us:8.2f} us  "
+                  f"x{us / floor_us:5.2f} floor  {'ok' if ok else 'WRONG'}")  # fmt: skip
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sweep_kv_cache.json").write_text(json.dumps(rows, indent=1))
@@ -118,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             best = min(sel, key=lambda r: r["us"])
             ratio = best["us"] / best["floor_us"]
             print(f"  {kernel} {case:<20} T={best['block_t']} w={best['num_warps']} "
-                  f"exact={best['exact']}  {best['us']:.2f} us = {ratio:.2f}x floor")  # fmt: skip
+                  f"exact={best['exact']} evict={best['evict']}  {best['us']:.2f} us = "
+                  f"{ratio:.2f}x floor")  # fmt: skip
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(bad)} wrong variants" + (f": {bad[:3]}" if bad else ""))
     return 1 if bad else 0 if math.isfinite(bw) else 1

@@ -25,7 +25,13 @@ import torch
 import triton
 
 from . import _triton_kv_cache as _k
-from ._validation import check_nonnegative_int, check_positive_int, check_tensor, use_triton
+from ._validation import (
+    check_nonnegative_int,
+    check_positive_int,
+    check_tensor,
+    interpreter_enabled,
+    use_triton,
+)
 from .geometry import (
     AMAX_FLOOR,
     FP8_MAX,
@@ -55,10 +61,28 @@ LEN_DTYPES = (torch.int32, torch.int64)
 
 # Tile sizes (compile-time constants; tuned on an H200, see
 # benchmarks/cases_kv_cache.py and docs).
-INSERT_BLOCK_T = 2
+INSERT_BLOCK_T = 4
 INSERT_NUM_WARPS = 4
-GATHER_BLOCK_T = 2
-GATHER_NUM_WARPS = 4
+GATHER_BLOCK_T = 4
+GATHER_NUM_WARPS = 2
+EVICT_FIRST = False  # keep written lines in L2: the next kernel usually reads them
+
+# (major, minor) compute capability per CUDA device index (a host query, cached).
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _hardware_fp8_rounding(device: torch.device) -> bool:
+    """True where the GPU's float->E4M3 conversion can be used (sm_89+, not interpreted).
+
+    Elsewhere the kernel rounds in integer arithmetic: the interpreter's own
+    cast rounds half-up and can lose the mantissa carry.
+    """
+    if device.type != "cuda" or interpreter_enabled():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index] >= (8, 9)
 
 
 def k_cache_page_stride(slots_per_page: int) -> int:
@@ -190,9 +214,16 @@ def _launch_insert(
     *,
     block_t: int = INSERT_BLOCK_T,
     num_warps: int = INSERT_NUM_WARPS,
-    exact_rounding: bool = True,
+    exact_rounding: bool | None = None,
+    evict_first: bool = EVICT_FIRST,
 ) -> None:
-    """Launch the insert kernel (inputs already validated)."""
+    """Launch the insert kernel (inputs already validated).
+
+    ``exact_rounding`` None picks integer rounding unless the hardware
+    conversion is available (both give torch's bytes).
+    """
+    if exact_rounding is None:
+        exact_rounding = not _hardware_fp8_rounding(cache.device)
     num_tokens = slot_mapping.shape[0]
     grid = (triton.cdiv(num_tokens, block_t),)
     _k._quantize_and_insert_k_cache_kernel[grid](
@@ -216,6 +247,7 @@ def _launch_insert(
         BIAS=UE8M0_BIAS,
         BLOCK_T=block_t,
         EXACT_ROUNDING=exact_rounding,
+        EVICT_FIRST=evict_first,
         num_warps=num_warps,
     )
 
@@ -360,6 +392,7 @@ def _launch_gather(
     *,
     block_t: int = GATHER_BLOCK_T,
     num_warps: int = GATHER_NUM_WARPS,
+    evict_first: bool = EVICT_FIRST,
 ) -> None:
     """Launch the gather kernel (inputs already validated).
 
@@ -395,5 +428,6 @@ def _launch_gather(
         BIAS=UE8M0_BIAS,
         HAS_GATHER_LENS=gather_lens is not None,
         BLOCK_T=block_t,
+        EVICT_FIRST=evict_first,
         num_warps=num_warps,
     )
