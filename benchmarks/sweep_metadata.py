@@ -88,7 +88,6 @@ def host_breakdown(dev: torch.device) -> None:
             5,
             args[7],
             args[8],
-            0,
             WINDOW=128,
             RATIO=4,
             HAS_TOPK=True,
@@ -98,7 +97,6 @@ def host_breakdown(dev: torch.device) -> None:
             BLOCK_T=md.COMBINE_BLOCK_T,
             BLOCK_C=md.COMBINE_BLOCK_C,
             BLOCK_R=md.COMBINE_BLOCK_R,
-            ONEHOT=md.COMBINE_ONEHOT,
             num_warps=md.COMBINE_NUM_WARPS,
         )
 
@@ -133,16 +131,9 @@ def main() -> None:
             inp.pop("_topk_read")
             inputs[s.name] = (list(inp.values()), T)
     wants = {k: ref.combine_topk_swa_indices(*a, num_tokens=t) for k, (a, t) in inputs.items()}
-    print("combine BT BC warps onehot prefetch | per case: do_bench / host / graph (us)")
-    configs = [
-        (bt, bc, nw, oh, pf)
-        for bt, bc, nw in ((8, 128, 2), (8, 128, 4), (16, 128, 4))
-        for oh in (False, True)
-        for pf in (0, 1 << 30)
-    ]
-    for bt, bc, nw, oh, pf in configs:
+    print("combine BT BC warps | per case: do_bench / host / graph (us)")
+    for bt, bc, nw in ((8, 128, 2), (8, 128, 4), (16, 128, 4), (8, 256, 4)):
         md.COMBINE_BLOCK_T, md.COMBINE_BLOCK_C, md.COMBINE_NUM_WARPS = bt, bc, nw
-        md.COMBINE_ONEHOT, md.COMBINE_PREFETCH_MAX_ENTRIES = oh, pf
         cells = []
         for name, (args, _t) in inputs.items():
             out = torch.empty_like(wants[name][0])
@@ -155,10 +146,7 @@ def main() -> None:
             assert torch.equal(out, wants[name][0]) and torch.equal(lens, wants[name][1])
             t_bench, t_host, t_graph = _time_us(fn, dev, 60)[1], _host_us(fn), _graph_us(fn)
             cells.append(f"{t_bench:6.2f}/{t_host:5.1f}/{t_graph:6.2f}")
-        print(
-            f"combine {bt:2d} {bc:3d} {nw} {int(oh)} {int(pf > 0)} | " + " | ".join(cells),
-            flush=True,
-        )
+        print(f"combine {bt:2d} {bc:3d} {nw} | " + " | ".join(cells), flush=True)
     from .cases_metadata import build_global_cases
 
     cases = [c for c in build_global_cases(dev, False) if c.tokens == 16384]

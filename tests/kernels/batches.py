@@ -101,8 +101,9 @@ def make_batch(
     if negative_positions and num_reqs:
         shrink = randint(0, 2, (num_reqs,)).bool()
         seq = torch.where(shrink, (q - randint(1, 5, (num_reqs,))).clamp(min=0), seq)
-    # gather_lens: anywhere from "just the window" to the whole sequence.
-    gather = torch.minimum(seq, torch.maximum(randint(0, 400, (num_reqs,)), seq.clamp(max=window)))
+    # the chunk's windows need its q + W - 1 last tokens; gather at least that
+    need = torch.minimum(seq, q + window - 1)
+    gather = torch.minimum(seq, torch.maximum(randint(0, 400, (num_reqs,)), need))
     if images:  # image windows reach further back than W: gather the whole sequence
         gather = seq.clone()
     num_tokens = int(q.sum())

@@ -36,7 +36,6 @@ COMBINE_SIG = {
     "row_tiles": "i32",
     "M": "i32",
     "N": "i32",
-    "prefetch": "i32",
 }
 GLOBAL_SIG = {
     "topk_ptr": "*i32",
@@ -87,7 +86,6 @@ def main() -> None:
                 BLOCK_T=md.COMBINE_BLOCK_T,
                 BLOCK_C=md.COMBINE_BLOCK_C,
                 BLOCK_R=md.COMBINE_BLOCK_R,
-                ONEHOT=md.COMBINE_ONEHOT,
             )
             report[f"combine topk={has_topk} images={images}"] = _ptx(
                 kernels._combine_topk_swa_indices_kernel,

@@ -34,7 +34,6 @@ COMBINE_RUNTIME_ARGS = [
     "row_tiles",
     "M",
     "N",
-    "prefetch",
 ]
 
 
@@ -58,7 +57,6 @@ def _combine_topk_swa_indices_kernel(
     row_tiles,  # row width // ROW_ALIGN
     M,
     N,
-    prefetch,  # nonzero: load the top-k tile before the request lookup
     # meta-parameters
     WINDOW: tl.constexpr,
     RATIO: tl.constexpr,
@@ -69,60 +67,27 @@ def _combine_topk_swa_indices_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    ONEHOT: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < num_tokens
 
-    rows64 = toks.to(tl.int64)[:, None]
-    c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
-    if HAS_TOPK:
-        topk_row = topk_ptr + rows64 * (topk_stride_units * TOPK_ALIGN)
-        if prefetch != 0:
-            # Latency-bound calls: issue the top-k tile (up to the top-k width)
-            # together with the request lookup instead of after it.
-            early = tl.load(topk_row + c, mask=(c < topk) & tok_ok[:, None], other=-1)
-        else:
-            early = tl.full([BLOCK_T, BLOCK_C], -1, dtype=tl.int32)
-
-    # Request of each token and its metadata.  ONEHOT: one round of loads of
-    # whole request tiles, each token picking its request by start <= t < end.
-    # Otherwise: count the request ends <= t, then gather.  Zero-length
-    # requests never match either way.
+    # Request of each token: the number of request ends qsl[1..B] <= t + qsl[0],
+    # counted over small tiles of requests (one tile for typical batches);
+    # zero-length requests fall out naturally.  Then one round of gathers.
     qs0 = tl.load(qsl_ptr)
     x = toks + qs0
-    if ONEHOT:
-        req = tl.zeros([BLOCK_T], dtype=tl.int32)
-        q_start = tl.zeros([BLOCK_T], dtype=tl.int32)
-        q_end = tl.zeros([BLOCK_T], dtype=tl.int32)
-        seq_len = tl.zeros([BLOCK_T], dtype=tl.int32)
-        gather_len = tl.zeros([BLOCK_T], dtype=tl.int32)
-        for r0 in range(0, num_reqs, BLOCK_R):
-            r = r0 + tl.arange(0, BLOCK_R)
-            r_ok = r < num_reqs
-            starts = tl.load(qsl_ptr + r, mask=r_ok, other=0)
-            ends = tl.load(qsl_ptr + r + 1, mask=r_ok, other=0)
-            seqs = tl.load(seq_lens_ptr + r, mask=r_ok, other=0)
-            gathers = tl.load(gather_lens_ptr + r, mask=r_ok, other=0)
-            hit = (starts[None, :] <= x[:, None]) & (x[:, None] < ends[None, :])
-            req += tl.sum(tl.where(hit, r[None, :], 0), axis=1)
-            q_start += tl.sum(tl.where(hit, starts[None, :], 0), axis=1)
-            q_end += tl.sum(tl.where(hit, ends[None, :], 0), axis=1)
-            seq_len += tl.sum(tl.where(hit, seqs[None, :], 0), axis=1)
-            gather_len += tl.sum(tl.where(hit, gathers[None, :], 0), axis=1)
-    else:
-        req = tl.zeros([BLOCK_T], dtype=tl.int32)
-        for r0 in range(0, num_reqs, BLOCK_R):
-            r = r0 + 1 + tl.arange(0, BLOCK_R)
-            ends = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=2147483647)
-            req += tl.sum((ends[None, :] <= x[:, None]).to(tl.int32), axis=1)
-        req = tl.minimum(req, num_reqs - 1)
-        q_start = tl.load(qsl_ptr + req, mask=tok_ok, other=0)
-        q_end = tl.load(qsl_ptr + req + 1, mask=tok_ok, other=0)
-        seq_len = tl.load(seq_lens_ptr + req, mask=tok_ok, other=0)
-        gather_len = tl.load(gather_lens_ptr + req, mask=tok_ok, other=0)
+    req = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for r0 in range(0, num_reqs, BLOCK_R):
+        r = r0 + 1 + tl.arange(0, BLOCK_R)
+        ends = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=2147483647)
+        req += tl.sum((ends[None, :] <= x[:, None]).to(tl.int32), axis=1)
+    req = tl.minimum(req, num_reqs - 1)
+    q_start = tl.load(qsl_ptr + req, mask=tok_ok, other=0)
+    q_end = tl.load(qsl_ptr + req + 1, mask=tok_ok, other=0)
+    seq_len = tl.load(seq_lens_ptr + req, mask=tok_ok, other=0)
+    gather_len = tl.load(gather_lens_ptr + req, mask=tok_ok, other=0)
 
     pos = seq_len - (q_end - q_start) + (x - q_start)
     if RATIO > 0:
@@ -145,17 +110,17 @@ def _combine_topk_swa_indices_kernel(
     # Output values are int32 (as vLLM's); row offsets are 64-bit.
     base = req * M
     swa_shift = base + N + swa_start - (seq_len - gather_len) - topk_len
+    rows64 = toks.to(tl.int64)[:, None]
+    c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
     in_topk = c < topk_len[:, None]
     if HAS_TOPK:
-        if prefetch != 0:
-            local = early
-        else:
-            # Masks whose bounds are multiples of TOPK_ALIGN keep the loads 16
-            # bytes wide; the entries read past topk_len (fewer than TOPK_ALIGN,
-            # inside the row) are discarded by the select below.
-            read_len = (topk_len + (TOPK_ALIGN - 1)) // TOPK_ALIGN * TOPK_ALIGN
-            read_len = tl.multiple_of(read_len, TOPK_ALIGN)
-            local = tl.load(topk_row + c, mask=(c < read_len[:, None]) & tok_ok[:, None], other=-1)
+        # Masks whose bounds are multiples of TOPK_ALIGN keep the loads 16 bytes
+        # wide; the entries read past topk_len (fewer than TOPK_ALIGN, inside
+        # the row) are discarded by the select below.
+        read_len = (topk_len + (TOPK_ALIGN - 1)) // TOPK_ALIGN * TOPK_ALIGN
+        read_len = tl.multiple_of(read_len, TOPK_ALIGN)
+        topk_row = topk_ptr + rows64 * (topk_stride_units * TOPK_ALIGN)
+        local = tl.load(topk_row + c, mask=(c < read_len[:, None]) & tok_ok[:, None], other=-1)
     else:
         local = c
     # 0 <= local < N in one unsigned comparison (negative entries wrap above N).
@@ -200,8 +165,10 @@ def _global_topk_indices_kernel(
     pid = tl.program_id(0)
     toks = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < num_tokens
+    # The three per-token loads are independent (one round trip); only the
+    # block-table reads wait for validity.
     valid_tok = tl.load(valid_ptr + toks, mask=tok_ok, other=0) != 0
-    req = tl.load(req_ptr + toks, mask=tok_ok & valid_tok, other=0)
+    req = tl.load(req_ptr + toks, mask=tok_ok, other=0)
     rows64 = toks.to(tl.int64)[:, None]
     table_row = block_table_ptr + req.to(tl.int64)[:, None] * block_table_stride
     count = tl.zeros([BLOCK_T], dtype=tl.int32)
@@ -209,10 +176,9 @@ def _global_topk_indices_kernel(
         c = k0 + tl.arange(0, BLOCK_K)[None, :]
         col_ok = c < K
         local = tl.load(
-            topk_ptr + rows64 * topk_stride + c,
-            mask=tok_ok[:, None] & valid_tok[:, None] & col_ok,
-            other=-1,
+            topk_ptr + rows64 * topk_stride + c, mask=tok_ok[:, None] & col_ok, other=-1
         )
+        local = tl.where(valid_tok[:, None], local, -1)
         # Unsigned: a negative entry wraps to a page far past the table, so one
         # comparison rejects negatives and pages past the table alike.
         ul = local.to(tl.uint32)

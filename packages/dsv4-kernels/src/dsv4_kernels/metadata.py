@@ -29,10 +29,6 @@ COMBINE_BLOCK_T = 8
 COMBINE_BLOCK_C = 128
 COMBINE_BLOCK_R = 16
 COMBINE_NUM_WARPS = 2
-COMBINE_ONEHOT = False
-# Calls with at most this many top-k entries (tokens x topk) load the top-k
-# tile together with the request lookup (latency-bound sizes).
-COMBINE_PREFETCH_MAX_ENTRIES = 0
 GLOBAL_BLOCK_T = 4
 GLOBAL_BLOCK_K = 256
 GLOBAL_NUM_WARPS = 4
@@ -251,7 +247,6 @@ def combine_topk_swa_indices(
     else:
         topk_stride_units = 0
     kernel_topk = topk if compress_ratio > 1 else 0
-    prefetch = int(has_topk and num_tokens * kernel_topk <= COMBINE_PREFETCH_MAX_ENTRIES)
     _k._combine_topk_swa_indices_kernel[grid](
         topk_indices if has_topk else out,
         query_start_loc,
@@ -269,7 +264,6 @@ def combine_topk_swa_indices(
         width // COMBINED_ALIGNMENT,
         M,
         N,
-        prefetch,
         WINDOW=window_size,
         RATIO=compress_ratio if compress_ratio > 1 else 0,
         HAS_TOPK=has_topk,
@@ -279,7 +273,6 @@ def combine_topk_swa_indices(
         BLOCK_T=COMBINE_BLOCK_T,
         BLOCK_C=COMBINE_BLOCK_C,
         BLOCK_R=COMBINE_BLOCK_R,
-        ONEHOT=COMBINE_ONEHOT,
         num_warps=COMBINE_NUM_WARPS,
     )
     return out, lens
