@@ -6,6 +6,11 @@ Matrix (issue 3): insert and gather at 1x1024, 16x1024 and 1x16384 tokens on
 131,072-token context: C4A (64 entries per page, 32,768 entries) and C128A
 (2 entries per page, 1,024 entries); and a C128A insert of 16,384 entries.
 
+At 16K tokens and more a ``torch-copy-same-bytes`` provider times one torch
+copy moving exactly the floor's bytes: on an H200 under do_bench it takes
+1.4-1.9x the floor itself (one launch costs about 3 us there), which is what
+a single memory-bound launch can reach at these sizes.
+
 Every provider is checked after poisoning its output: ours byte for byte
 against the torch reference (the whole cache / the whole ``out``, so stray
 writes fail too); the upstream insert, which rounds its scale in floating
@@ -30,6 +35,7 @@ GATHER = "dequantize_and_gather_k_cache"
 OURS = "dsv4-kernels"
 UPSTREAM_GATHER = "per-request-workers-128"
 UPSTREAM_INSERT = "upstream-token-per-program"
+SAME_BYTES_COPY = "torch-copy-same-bytes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +102,21 @@ def _layout(shape: Shape, device: torch.device, g: torch.Generator) -> tuple[int
     else:
         table = perm[:used].reshape(shape.num_reqs, per_req)
     return num_pages, table.to(torch.int32).contiguous()
+
+
+def _copy_provider(floor_bytes: int, device: torch.device, g: torch.Generator) -> Provider:
+    """A torch device-to-device copy moving ``floor_bytes`` (half read, half written).
+
+    A yardstick in the same run: what one launch moving exactly the floor's
+    bytes costs under the same timing (launch and L2 effects included).
+    """
+    src = torch.randint(0, 256, (floor_bytes // 2,), dtype=torch.uint8, generator=g, device=device)
+    dst = torch.empty_like(src)
+
+    def check() -> None:
+        assert torch.equal(dst, src), "copy differs"
+
+    return Provider(SAME_BYTES_COPY, lambda: dst.copy_(src), lambda: dst.fill_(0), check)
 
 
 def _check_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -168,6 +189,8 @@ def build_gather_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
         tokens = shape.num_reqs * rows
         pages_read = shape.num_reqs * math.ceil(rows / bs)
         floor = tokens * (584 + 1024) + pages_read * 4 + shape.num_reqs * 4 * (1 + (gl is not None))
+        if device.type == "cuda" and tokens >= 16384:
+            providers.append(_copy_provider(floor, device, g))
         cases.append(
             BenchCase(
                 GATHER,
@@ -269,6 +292,8 @@ def build_insert_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
                 )
             )
         floor = n * (1024 + 8 + 584)
+        if device.type == "cuda" and n >= 16384:
+            providers.append(_copy_provider(floor, device, g))
         cases.append(
             BenchCase(
                 INSERT,

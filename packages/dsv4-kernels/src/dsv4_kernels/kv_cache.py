@@ -59,13 +59,18 @@ __all__ = [
 SLOT_DTYPES = (torch.int64, torch.int32)
 LEN_DTYPES = (torch.int32, torch.int64)
 
-# Tile sizes (compile-time constants; tuned on an H200, see
-# benchmarks/cases_kv_cache.py and docs).
-INSERT_BLOCK_T = 4
-INSERT_NUM_WARPS = 4
-GATHER_BLOCK_T = 4
+# Tile sizes (compile-time constants).  On an H200 (benchmarks/sweep_kv_cache.py,
+# 2026-11-29, two runs) the fastest variants, 4-8 tokens and 1-2 warps per
+# program, were within run-to-run noise of each other at 16K tokens; 1 token or
+# 8 warps per program was up to 2x slower.  Evict-first stores gained nothing,
+# and the next kernel usually reads what these write.
+INSERT_BLOCK_T = 8
+INSERT_NUM_WARPS = 2
+GATHER_BLOCK_T = 8
 GATHER_NUM_WARPS = 2
-EVICT_FIRST = False  # keep written lines in L2: the next kernel usually reads them
+EVICT_FIRST = False
+# Requests run along grid axis 1, which CUDA limits to 65535 programs.
+MAX_GRID_REQUESTS = 65535
 
 # (major, minor) compute capability per CUDA device index (a host query, cached).
 _CAPABILITY: dict[int, tuple[int, int]] = {}
@@ -377,6 +382,8 @@ def dequantize_and_gather_k_cache(
         return
     if num_reqs == 0 or num_pages == 0 or out.shape[1] == offset:
         return
+    if num_reqs > MAX_GRID_REQUESTS:
+        raise ValueError(f"seq_lens has {num_reqs} requests; at most {MAX_GRID_REQUESTS} per call")
     _launch_gather(out, cache, seq_lens, gather_lens, block_table, block_size, offset, stride)
 
 
