@@ -434,3 +434,17 @@ def test_combine_topk_row_alignment(extra_cols: int, kernel_device: torch.device
     wide = torch.cat([batch.topk_indices[:, :1], batch.topk_indices], dim=1)
     view = dataclasses.replace(batch, topk_indices=wide[:, 1:])
     run_and_check(dk.combine_topk_swa_indices, view, kernel_device)
+
+
+@pytest.mark.parametrize("impl", ["triton"])
+def test_combine_accepts_vllm_out_pair(impl: str, kernel_device: torch.device) -> None:
+    """vLLM 0.32 passes ``out=(combined, lens)``: both are filled in place."""
+    b = make_batch(fresh_seed(), query_lens=[9, 4], ratio=4, topk=16).to(kernel_device)
+    combined = torch.full((13, 256), POISON, dtype=torch.int32, device=kernel_device)
+    lens = torch.full((13,), POISON, dtype=torch.int32, device=kernel_device)
+    got = dk.combine_topk_swa_indices(*b.args(), out=(combined, lens))
+    assert got[0].data_ptr() == combined.data_ptr() and got[1].data_ptr() == lens.data_ptr()
+    want = ref.combine_topk_swa_indices(*b.to(torch.device("cpu")).args())
+    assert torch.equal(combined.cpu(), want[0]) and torch.equal(lens.cpu(), want[1])
+    with pytest.raises(ValueError, match="out must be a tensor or a"):
+        dk.combine_topk_swa_indices(*b.args(), out=(combined,))  # type: ignore[arg-type]

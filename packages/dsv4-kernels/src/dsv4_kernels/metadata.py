@@ -122,7 +122,7 @@ def combine_topk_swa_indices(
     topk: int,
     M: int,
     N: int,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     left_visible: torch.Tensor | None = None,
     right_visible: torch.Tensor | None = None,
     max_image_tokens: int = 0,
@@ -161,8 +161,10 @@ def combine_topk_swa_indices(
             for C128A, 0 for SWA-only).
         M: workspace rows per request.  N: first window row within a request.
         out: optional ``[num_tokens, Wc]`` int32 output, ``Wc = ceil((topk + W
-            + max_image_tokens) / 128) * 128``; with it nothing is allocated and
-            nothing synchronises, so the call can be captured in a CUDA graph.
+            + max_image_tokens) / 128) * 128``, or a ``(combined, lens)`` pair
+            of preallocated outputs as vLLM 0.32 passes it.  With both outputs
+            given nothing is allocated and nothing synchronises, so the call
+            can be captured in a CUDA graph.
         left_visible, right_visible: optional ``[num_tokens]`` int32 image
             bidirectional visibility (given together).
         max_image_tokens: extra row width reserved for image windows.
@@ -183,6 +185,13 @@ def combine_topk_swa_indices(
             devices, an ``out`` of the wrong shape, an unsupported ratio, a
             ``topk`` wider than ``topk_indices`` or negative ``M``/``N``.
     """
+    if isinstance(out, (tuple, list)):
+        if len(out) != 2 or lens_out is not None:
+            raise ValueError(
+                "out must be a tensor or a (combined, lens) pair, and lens_out must not be "
+                "given with a pair"
+            )
+        out, lens_out = out
     num_tokens, width = _combine_args(
         topk_indices,
         query_start_loc,

@@ -33,7 +33,7 @@ def combine_topk_swa_indices(
     topk: int,
     M: int,
     N: int,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     left_visible: torch.Tensor | None = None,
     right_visible: torch.Tensor | None = None,
     max_image_tokens: int = 0,
@@ -42,6 +42,8 @@ def combine_topk_swa_indices(
     num_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`dsv4_kernels.combine_topk_swa_indices` (same contract)."""
+    if isinstance(out, (tuple, list)):
+        out, lens_out = out
     device = query_start_loc.device
     width = combined_width(topk, window_size, max_image_tokens)
     if num_tokens is None and topk_indices is not None:
