@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dsv4_presets import PresetError, resolve_bench, resolve_serve
 from dsv4_presets.presets import (
@@ -17,6 +19,7 @@ from dsv4_presets.presets import (
     preset_kind,
     serve_preset_names,
 )
+from dsv4_presets.schema import check_value, shipped_table
 
 # The seed PR's `vllm serve` command, verbatim.
 SEED_SERVE = r"""
@@ -409,3 +412,59 @@ def test_dp8_preset():
     assert config.args["data-parallel-size"] == 8
     assert config.args["tensor-parallel-size"] == 1
     assert config.args["enable-expert-parallel"] is True
+
+
+# --------------------------------------------------------------------------- #
+# Property: random options survive render -> config file -> load -> render
+# --------------------------------------------------------------------------- #
+
+
+_TABLE = shipped_table("serve")
+_NAMES = sorted(
+    name
+    for name, spec in _TABLE.options.items()
+    if spec.kind in ("bool", "flag", "value", "list")
+    and spec.type in ("int", "human-int", "float", "str", "json")
+    and name not in ("model", "config")
+)
+
+
+@st.composite
+def _random_options(draw):
+    out = {}
+    for name in draw(st.lists(st.sampled_from(_NAMES), min_size=1, max_size=8, unique=True)):
+        spec = _TABLE.options[name]
+        if spec.kind in ("bool", "flag"):
+            out[name] = draw(st.booleans())
+        elif spec.choices:
+            out[name] = draw(st.sampled_from(spec.choices))
+        elif spec.type in ("int", "human-int"):
+            out[name] = draw(st.integers(min_value=0, max_value=10**6))
+        elif spec.type == "float":
+            out[name] = draw(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False))
+        elif spec.type == "json":
+            out[name] = draw(st.dictionaries(st.sampled_from("abc"), st.integers(0, 9), max_size=2))
+        else:
+            out[name] = draw(st.text(alphabet="abcxyz019_./-", min_size=1, max_size=8))
+        if spec.kind == "list" and spec.type != "json":
+            out[name] = [out[name]]
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(options=_random_options())
+def test_random_options_round_trip_through_a_config_file(options, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rt")
+    lines = ["dsv4: {extends: h200-tp8-ep}"]
+    import json as _json
+
+    for name, value in options.items():
+        assert check_value(_TABLE.options[name], value) is None, (name, value)
+        lines.append(f"{name}: {_json.dumps(value)}")  # JSON is valid YAML
+    first = resolve_serve(str(write(tmp, "user.yaml", "\n".join(lines) + "\n")))
+    # Its rendered config file, loaded back as a preset, renders the same command.
+    second = resolve_serve(str(write(tmp, "rendered.yaml", first.to_config_yaml())))
+    assert second.to_argv() == first.to_argv()
+    assert yaml.safe_load(first.to_config_yaml())["model"] == first.model
+    for name, value in options.items():
+        assert first.args[name] == value
