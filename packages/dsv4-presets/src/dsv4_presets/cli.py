@@ -207,7 +207,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     how = (
         f"with vLLM {report.vllm_version}'s parser and registries"
         if report.vllm_version
-        else "with the DSV4 rules only (vLLM not installed)"
+        else "with the DSV4 rules only (vLLM not used)"
     )
     verdict = "OK" if report.ok and not (args.strict and warnings) else "FAILED"
     print(f"{config.name}: {verdict} - {errors} error(s), {warnings} warning(s), checked {how}")
@@ -372,7 +372,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="override an option before checking (repeatable)",
     )
     p.add_argument("--model", help="check with this model instead")
-    p.add_argument("--node", default=None, help="check one node of a multi-node preset")
     p.add_argument(
         "--vllm",
         choices=("auto", "yes", "no"),
