@@ -29,14 +29,13 @@ from collections.abc import Callable
 
 import torch
 
-from .harness import BenchCase, Provider
+from .harness import BenchCase, Provider, same_bytes_copy
 
 INSERT = "quantize_and_insert_k_cache"
 GATHER = "dequantize_and_gather_k_cache"
 OURS = "dsv4-kernels"
 UPSTREAM_GATHER = "per-request-workers-128"
 UPSTREAM_INSERT = "upstream-token-per-program"
-SAME_BYTES_COPY = "torch-copy-same-bytes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,21 +102,6 @@ def _layout(shape: Shape, device: torch.device, g: torch.Generator) -> tuple[int
     else:
         table = perm[:used].reshape(shape.num_reqs, per_req)
     return num_pages, table.to(torch.int32).contiguous()
-
-
-def _copy_provider(floor_bytes: int, device: torch.device, g: torch.Generator) -> Provider:
-    """A torch device-to-device copy moving ``floor_bytes`` (half read, half written).
-
-    A yardstick in the same run: what one launch moving exactly the floor's
-    bytes costs under the same timing (launch and L2 effects included).
-    """
-    src = torch.randint(0, 256, (floor_bytes // 2,), dtype=torch.uint8, generator=g, device=device)
-    dst = torch.empty_like(src)
-
-    def check() -> None:
-        assert torch.equal(dst, src), "copy differs"
-
-    return Provider(SAME_BYTES_COPY, lambda: dst.copy_(src), lambda: dst.fill_(0), check)
 
 
 def _check_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
@@ -191,7 +175,7 @@ def build_gather_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
         pages_read = shape.num_reqs * math.ceil(rows / bs)
         floor = tokens * (584 + 1024) + pages_read * 4 + shape.num_reqs * 4 * (1 + (gl is not None))
         if device.type == "cuda":
-            providers.append(_copy_provider(floor, device, g))
+            providers.append(same_bytes_copy(floor, device))
         cases.append(
             BenchCase(
                 GATHER,
@@ -294,7 +278,7 @@ def build_insert_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
             )
         floor = n * (1024 + 8 + 584)
         if device.type == "cuda":
-            providers.append(_copy_provider(floor, device, g))
+            providers.append(same_bytes_copy(floor, device))
         cases.append(
             BenchCase(
                 INSERT,

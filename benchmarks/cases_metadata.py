@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from .harness import BenchCase, Provider
+from .harness import BenchCase, Provider, same_bytes_copy
 
 POISON = -7777
 
@@ -140,6 +140,8 @@ def build_combine_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
                 )
             )
         floor = topk_read * 4 + T * width * 4 + T * 4 + (3 * shape.num_reqs + 1) * 4
+        if device.type == "cuda":
+            providers.append(same_bytes_copy(floor, device))
         cases.append(
             BenchCase(
                 "combine_topk_swa_indices",
@@ -195,13 +197,14 @@ def build_global_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
         # each top-k entry read once, each output written once, each live entry's table
         # word read once (at most the table), the per-token metadata once.
         floor = T * K * 4 * 2 + T * (4 + 1 + 4) + min(live, table.numel()) * 4
+        providers = [prov] + ([same_bytes_copy(floor, device)] if device.type == "cuda" else [])
         cases.append(
             BenchCase(
                 "compute_global_topk_indices_and_lens",
                 name,
                 T,
                 floor,
-                [prov],
+                providers,
                 {"topk": K, "block_size": block_size, "requests": num_reqs, "context": context},
             )
         )

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 FLOOR = "floor"
+SAME_BYTES_COPY = "torch-copy-same-bytes"
 
 
 @dataclasses.dataclass
@@ -154,6 +155,22 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, rep_ms: int = 20
     dst = torch.empty_like(src)
     _, p50, _ = _time_us(lambda: dst.copy_(src), device, rep_ms)
     return 2 * nbytes / (p50 * 1e-6)
+
+
+def same_bytes_copy(floor_bytes: int, device: torch.device) -> Provider:
+    """A torch device-to-device copy moving ``floor_bytes`` (half read, half written).
+
+    A yardstick in the same run: what one launch moving exactly a case's floor
+    bytes costs under the same timing (launch, ramp-up and L2 effects included),
+    where the ``floor`` provider assumes the bandwidth of a 2 GiB copy.
+    """
+    src = torch.randint(0, 256, (max(floor_bytes // 2, 1),), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def check() -> None:
+        assert torch.equal(dst, src), "copy differs"
+
+    return Provider(SAME_BYTES_COPY, lambda: dst.copy_(src), lambda: dst.fill_(0), check)
 
 
 def run_cases(
