@@ -610,3 +610,45 @@ def test_gpu_release_skipped_without_nvidia_smi(
     campaign = _campaign(tmp_path / "camp", ("true",), ("true",))
     got = runner._Runner(campaign, Progress(1, live=False))._wait_gpu_release(None)
     assert got == {"checked": False, "note": "nvidia-smi not found: no GPU memory to wait for"}
+
+
+def test_sigterm_stops_the_server_and_exits_130(tmp_path: Path) -> None:
+    # A "vLLM" that starts and never becomes healthy: the campaign sits in the health wait.
+    fake = tmp_path / "fake_vllm.py"
+    fake.write_text("import time\ntime.sleep(300)\n")
+    serve, bench = _write_presets(tmp_path)
+    out = tmp_path / "camp"
+    vllm = f"vllm:'{sys.executable} {fake}'"
+    cmd = [
+        sys.executable, "-m", "dsv4_presets.compare",
+        "--a", f"{serve} {vllm}", "--b", f"{serve} max-num-seqs=1 {vllm}",
+        "--bench", str(bench), "--no-validate", "--out", str(out), "--no-progress",
+        "--health-timeout", "120", "--stop-grace", "5",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_file = out / "runs" / ".01-A1.partial" / "server.pid"
+    server_pid = None
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the server was never started"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        server_pid = json.loads(pid_file.read_text())["pid"]
+        assert _group_alive(server_pid)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if server_pid is not None and _group_alive(server_pid):
+            os.killpg(server_pid, signal.SIGKILL)
+            pytest.fail("the campaign left its server running")
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr and "resume" in stderr
+    assert not list((out / "runs").iterdir())  # the unfinished run left nothing behind
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["not_run"] == ["A1", "B1", "A2"]
+    assert "Not run yet: A1, B1, A2" in stdout
