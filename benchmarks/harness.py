@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import platform
 import subprocess
 from collections.abc import Callable, Iterator, Sequence
@@ -68,6 +69,9 @@ class Result:
 
 
 def git_sha() -> str:
+    """The checkout's commit (``DSV4_GIT_SHA`` overrides, e.g. on a machine without git)."""
+    if os.environ.get("DSV4_GIT_SHA"):
+        return os.environ["DSV4_GIT_SHA"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"],
