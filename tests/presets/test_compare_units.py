@@ -180,6 +180,7 @@ def test_report_excludes_failed_and_unrun_runs(tmp_path: Path) -> None:
 
 def test_report_plot_written(tmp_path: Path) -> None:
     import matplotlib  # noqa: F401  (the test extra installs it; no silent skip)
+
     _write_campaign(
         tmp_path,
         [
