@@ -47,6 +47,17 @@ from .geometry import (
     page_stride_bytes,
 )
 
+# The UE8M0 layout as the kernels' compile-time constants (one source: geometry).
+_LAYOUT = dict(
+    NOPE=NOPE_DIM,
+    ROPE=ROPE_DIM,
+    QBLOCK=QUANT_BLOCK,
+    NQ=NUM_QUANT_BLOCKS,
+    NQ_PAD=TOKEN_SCALE_BYTES,
+    DATA_BYTES=TOKEN_DATA_BYTES,
+    SCALE_BYTES=TOKEN_SCALE_BYTES,
+)
+
 __all__ = [
     "dequantize_and_gather_k_cache",
     "empty_k_cache",
@@ -240,13 +251,7 @@ def _launch_insert(
         num_pages * block_size,
         SLOTS=block_size,
         PAGE_STRIDE=stride,
-        NOPE=NOPE_DIM,
-        ROPE=ROPE_DIM,
-        QBLOCK=QUANT_BLOCK,
-        NQ=NUM_QUANT_BLOCKS,
-        NQ_PAD=TOKEN_SCALE_BYTES,
-        DATA_BYTES=TOKEN_DATA_BYTES,
-        SCALE_BYTES=TOKEN_SCALE_BYTES,
+        **_LAYOUT,
         FP8_MAX=FP8_MAX,
         AMAX_FLOOR=AMAX_FLOOR,
         BIAS=UE8M0_BIAS,
@@ -425,13 +430,7 @@ def _launch_gather(
         cache.shape[0],
         SLOTS=block_size,
         PAGE_STRIDE=stride,
-        NOPE=NOPE_DIM,
-        ROPE=ROPE_DIM,
-        QBLOCK=QUANT_BLOCK,
-        NQ=NUM_QUANT_BLOCKS,
-        NQ_PAD=TOKEN_SCALE_BYTES,
-        DATA_BYTES=TOKEN_DATA_BYTES,
-        SCALE_BYTES=TOKEN_SCALE_BYTES,
+        **_LAYOUT,
         BIAS=UE8M0_BIAS,
         HAS_GATHER_LENS=gather_lens is not None,
         BLOCK_T=block_t,
