@@ -66,7 +66,10 @@ def read_bench_result(path: str | Path, *, expected_prompts: int) -> dict[str, A
     problems = []
     if isinstance(failed, int) and failed > 0:
         errors = [e for e in data.get("errors", []) or [] if e]
-        first = f"; first error: {str(errors[0])[:300]}" if errors else ""
+        if errors:
+            first = f"; first error: {str(errors[0])[:300]}"
+        else:
+            first = " (the result keeps no per-request errors; --set save-detailed=true keeps them)"
         problems.append(f"{failed} of {expected_prompts} requests failed{first}")
     if completed < expected_prompts:
         problems.append(f"only {completed} of {expected_prompts} requests completed")
