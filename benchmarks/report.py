@@ -68,9 +68,9 @@ def write_table(results: Sequence[Result], env: dict[str, str], path: Path, comm
                 cells += ["-"] * (1 + len(providers) + 2)
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    text = "\n".join(lines)
+    text = "\n".join(lines).rstrip() + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text + "\n")
+    path.write_text(text)
     return text
 
 

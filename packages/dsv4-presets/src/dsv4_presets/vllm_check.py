@@ -24,6 +24,7 @@ import contextlib
 import importlib.util
 import io
 import sys
+from collections.abc import Iterator
 from functools import lru_cache
 from importlib import resources
 from typing import Any
@@ -164,12 +165,36 @@ def check_serve(config: ServeConfig) -> tuple[list[Finding], list[str]]:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     try:
-        engine_args = AsyncEngineArgs.from_cli_args(ns)
+        with _no_offline_model_resolution():
+            engine_args = AsyncEngineArgs.from_cli_args(ns)
     except Exception as exc:
         findings.append(Finding("error", "vllm-engine-args", _short(exc)))
         return findings, notes
     findings += _check_configs(engine_args, notes)
     return findings, notes
+
+
+@contextlib.contextmanager
+def _no_offline_model_resolution() -> Iterator[None]:
+    """Keep EngineArgs from resolving the model id to a local snapshot.
+
+    With ``HF_HUB_OFFLINE=1`` vLLM's ``EngineArgs.__post_init__`` replaces a
+    hub model id by its cached snapshot folder and fails when the model is not
+    downloaded.  The checks here never read the model, so the id stays a
+    string while they run (nothing is fetched either way: online mode only
+    resolves the id later, in ``ModelConfig``, which is not built here).
+    """
+    try:
+        import huggingface_hub.constants as hub_constants
+    except ImportError:
+        yield
+        return
+    saved = hub_constants.HF_HUB_OFFLINE
+    hub_constants.HF_HUB_OFFLINE = False
+    try:
+        yield
+    finally:
+        hub_constants.HF_HUB_OFFLINE = saved
 
 
 def _check_registries(ns: Any, config: ServeConfig, notes: list[str]) -> list[Finding]:
