@@ -62,7 +62,7 @@ def _per_request_combine_kernel(
                 )
             else:
                 local = offs_k
-            val = tl.where((local >= 0) & (local < N), local + M * b, -1)
+            val = tl.where(local >= 0, local + M * b, -1)
             tl.store(row + offs_k, val, mask=kmask)
         tl.store(
             row + topk_len + offs_w,

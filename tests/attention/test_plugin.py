@@ -156,3 +156,74 @@ def test_real_vllm_loads_the_plugin_and_routes_dsv4_ops(monkeypatch: pytest.Monk
     got = ops.combine_topk_swa_indices(topk, qsl, seq, seq, 128, 4, 512, 1000, 600)
     want = dk.reference.combine_topk_swa_indices(topk, qsl, seq, seq, 128, 4, 512, 1000, 600)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_modules_imported_after_register_are_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _install_fake_vllm(monkeypatch, is_cuda=True)
+    dsv4_attention.register()
+    ops = fake["mods"]["vllm.models.deepseek_v4.common.ops"]  # type: ignore[index]
+    # vLLM imports its backends after plugins load: they take the patched names
+    late = types.ModuleType("vllm.models.deepseek_v4.nvidia.flashmla")
+    late.combine_topk_swa_indices = ops.combine_topk_swa_indices  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, late.__name__, late)
+    # DeepSeek-V4.1 has its own ops: a same-prefix module that must not count
+    v41 = types.ModuleType("vllm.models.deepseek_v41.common.ops")
+    v41.combine_topk_swa_indices = dk.combine_topk_swa_indices  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, v41.__name__, v41)
+    assert "vllm.models.deepseek_v4.nvidia.flashmla.combine_topk_swa_indices" in plugin.patched()
+    assert not any("deepseek_v41" in p for p in plugin.patched())
+    dsv4_attention.unregister()
+    assert late.combine_topk_swa_indices is fake["originals"]["combine_topk_swa_indices"]  # type: ignore[attr-defined,index]
+    assert v41.combine_topk_swa_indices is dk.combine_topk_swa_indices  # type: ignore[attr-defined]
+
+
+def test_adapters_take_vllms_real_argument_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's call sites: a padded 3-D cache view, an oversized out pair, longer token arrays."""
+    fake = _install_fake_vllm(monkeypatch, is_cuda=True)
+    dsv4_attention.register()
+    ops = fake["mods"]["vllm.models.deepseek_v4.common.ops"]  # type: ignore[index]
+    g = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+
+    # K cache: vLLM views each padded page as [block_size, 584] rows
+    pages, slots = 3, 64
+    flat = dk.empty_k_cache(pages, slots)
+    flat.copy_(torch.randint(0, 256, flat.shape, generator=g, dtype=torch.uint8))
+    expected = flat.clone()
+    view = flat.as_strided((pages, slots, 584), (flat.stride(0), 584, 1))
+    k = torch.randn((10, 512), generator=g).to(torch.bfloat16)
+    slot_mapping = torch.randperm(pages * slots, generator=g)[:10].to(torch.int64)
+    slot_mapping[3] = -1
+    ops.quantize_and_insert_k_cache(k, view, slot_mapping, slots)
+    dk.quantize_and_insert_k_cache(k, expected, slot_mapping, slots)
+    assert torch.equal(flat, expected)
+    out = torch.full((2, 200, 512), float("nan"), dtype=torch.bfloat16)
+    seq = torch.tensor([100, 37], dtype=torch.int32)
+    table = torch.tensor([[2, 0], [1, 2]], dtype=torch.int32)
+    ops.dequantize_and_gather_k_cache(out, view, seq, None, table, slots, 5)
+    want = torch.full_like(out, float("nan"))
+    dk.dequantize_and_gather_k_cache(want, expected, seq, None, table, slots, 5)
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(
+        out.nan_to_num(), want.nan_to_num()
+    )
+
+    # combine with a workspace pair sized for more tokens than this chunk
+    qsl = torch.tensor([0, 3, 7], dtype=torch.int32)
+    seq = torch.tensor([20, 4], dtype=torch.int32)
+    topk = torch.randint(-1, 5, (7, 512), generator=g, dtype=torch.int32)
+    combined = torch.full((64, 640), -7, dtype=torch.int32)
+    lens = torch.full((64,), -7, dtype=torch.int32)
+    ops.combine_topk_swa_indices(topk, qsl, seq, seq, 128, 4, 512, 1000, 600, out=(combined, lens))
+    want_rows, want_lens = dk.reference.combine_topk_swa_indices(
+        topk, qsl, seq, seq, 128, 4, 512, 1000, 600
+    )
+    assert torch.equal(combined[:7], want_rows) and torch.equal(lens[:7], want_lens)
+    assert (combined[7:] == -7).all()
+
+    # global indices: a decode-only slice of top-k with the whole batch's token arrays
+    req = torch.tensor([0, 1, 1, 0, 1], dtype=torch.int32)
+    valid = torch.ones(5, dtype=torch.bool)
+    table = torch.randint(0, 99, (2, 4), generator=g, dtype=torch.int32)
+    local = torch.randint(-1, 256, (2, 16), generator=g, dtype=torch.int32)
+    got = ops.compute_global_topk_indices_and_lens(local, req, table, 64, valid)
+    ref = dk.reference.compute_global_topk_indices_and_lens(local, req[:2], table, 64, valid[:2])
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])

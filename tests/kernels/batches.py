@@ -81,6 +81,7 @@ def make_batch(
     max_image_tokens: int = 0,
     negative_positions: bool = False,
     generate_topk: bool = False,
+    entries_past_n: int = 8,
 ) -> Batch:
     """A batch of ``len(query_lens)`` requests with random histories and top-k entries.
 
@@ -107,18 +108,22 @@ def make_batch(
     if images:  # image windows reach further back than W: gather the whole sequence
         gather = seq.clone()
     num_tokens = int(q.sum())
-    lead = randint(0, 50, (slice_offset,)).cumsum(0).to(torch.int32) if slice_offset else None
-    start = int(lead[-1]) if lead is not None else 0
+    # With slice_offset, query_start_loc is a view into a longer tensor (nonzero
+    # storage offset) whose first element is the end of earlier requests.
+    lead = randint(1, 50, (slice_offset,)).cumsum(0).to(torch.int32)
+    start = int(lead[-1]) if slice_offset else 0
     qsl = torch.cat([torch.tensor([start], dtype=torch.int32), start + q.cumsum(0).to(torch.int32)])
-    if lead is not None:
-        qsl = torch.cat([lead[:-1], qsl])[slice_offset - 1 :]
-        assert int(qsl[0]) == start
+    if slice_offset:
+        full = torch.cat([torch.zeros(1, dtype=torch.int32), lead[:-1], qsl])
+        qsl = full[slice_offset:]
+        assert qsl.storage_offset() == slice_offset and int(qsl[0]) == start > 0
     M = int(randint(topk + 600, topk + 5000))
     N = int(randint(max(topk, 1), M - 450))
     topk_indices = None
     if ratio > 1 and not generate_topk:
         width = topk + extra_topk_cols
-        topk_indices = randint(-1, N + 8, (num_tokens, width))  # includes -1 and >= N
+        # includes -1 and, unless entries_past_n is 0, entries >= N
+        topk_indices = randint(-1, N + entries_past_n, (num_tokens, width))
     left = right = None
     if images:
         left = randint(0, window + max_image_tokens // 2, (num_tokens,))

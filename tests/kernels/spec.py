@@ -52,7 +52,7 @@ def spec_combine(
         for j in range(width):
             if j < topk_len:
                 local = int(topk_indices[t, j]) if topk_indices is not None else j
-                row[j] = b * M + local if 0 <= local < N else -1
+                row[j] = b * M + local if local >= 0 else -1
             elif j < topk_len + swa_len:
                 row[j] = b * M + N + swa_start - gather_start + (j - topk_len)
         rows.append(row)

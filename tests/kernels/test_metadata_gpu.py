@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from benchmarks import cases_metadata as cm
 
 import dsv4_kernels as dk
 from dsv4_kernels import _triton_metadata as kernels
@@ -25,13 +26,11 @@ def _compiled(kernel: object) -> int:
 
 
 def _bench_batches() -> list[tuple[str, dict]]:
-    import benchmarks.cases_metadata as cm
-
     g = torch.Generator().manual_seed(fresh_seed())
     return [(s.name, cm._combine_inputs(s, torch.device("cuda"), g)) for s in cm.COMBINE_MATRIX]
 
 
-@pytest.mark.parametrize("index", range(9))
+@pytest.mark.parametrize("index", range(len(cm.COMBINE_MATRIX)))
 def test_combine_benchmark_sizes_match_reference(index: int, gpu: torch.device) -> None:
     name, inp = _bench_batches()[index]
     T = inp.pop("_T")

@@ -32,8 +32,17 @@ VLLM_OPS_MODULES = (
 # Modules of vLLM that import these functions by name at import time.
 VLLM_PREFIX = "vllm.models.deepseek_v4"
 
-_ORIGINALS: dict[str, Callable[..., Any]] = {}
-_PATCHED: list[tuple[Any, str, Callable[..., Any]]] = []
+_ORIGINALS: dict[str, Callable[..., Any]] = {}  # vLLM's functions, by name
+_OURS: dict[str, Callable[..., Any]] = {}  # what replaced them, by name
+
+
+def _dsv4_modules() -> list[Any]:
+    """vLLM's DSV4 modules imported so far (not ``deepseek_v41``, whose ops are its own)."""
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if module is not None and (name == VLLM_PREFIX or name.startswith(VLLM_PREFIX + "."))
+    ]
 
 
 def _flag(name: str) -> bool:
@@ -57,9 +66,8 @@ def _replacements(originals: dict[str, Callable[..., Any]]) -> dict[str, Callabl
                 k, k_cache, slot_mapping, block_size, is_ue8m0, use_fnuz
             )
             return
-        dk.quantize_and_insert_k_cache(
-            k, k_cache.reshape(k_cache.shape[0], -1), slot_mapping, block_size
-        )
+        # vLLM's [pages, block_size, 584] view of a padded page is accepted as is.
+        dk.quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size)
 
     def dequantize_and_gather_k_cache(
         out: Any,
@@ -78,7 +86,7 @@ def _replacements(originals: dict[str, Callable[..., Any]]) -> dict[str, Callabl
             return
         dk.dequantize_and_gather_k_cache(
             out,
-            k_cache.reshape(k_cache.shape[0], -1),
+            k_cache,
             seq_lens,
             gather_lens,
             block_table,
@@ -104,7 +112,7 @@ def _platform_is_cuda() -> bool:
 
 def register() -> None:
     """Entry point for vLLM's plugin loader; safe to call more than once."""
-    if _PATCHED:
+    if _OURS:
         return
     if _flag("DSV4_KERNELS_DISABLE"):
         logger.info("dsv4-kernels disabled by DSV4_KERNELS_DISABLE; using vLLM's kernels")
@@ -132,31 +140,36 @@ def register() -> None:
         return
     _ORIGINALS.update(originals)
     ours = _replacements(originals)
+    _OURS.update({name: ours[name] for name in originals})
     for module_name in VLLM_OPS_MODULES:
         importlib.import_module(module_name)
     # The defining module, its package, and any DSV4 module that already
-    # imported a function by name (e.g. the attention backend).
-    modules = [m for n, m in list(sys.modules.items()) if n.startswith(VLLM_PREFIX) and m]
-    for module in modules:
+    # imported a function by name (e.g. the attention backend).  Modules
+    # imported later take the names from the patched package.
+    for module in _dsv4_modules():
         for name, original in originals.items():
             if getattr(module, name, None) is original:
-                setattr(module, name, ours[name])
-                _PATCHED.append((module, name, original))
+                setattr(module, name, _OURS[name])
     logger.info(
-        "dsv4-kernels: replaced %s in %d places",
-        ", ".join(sorted(originals)),
-        len(_PATCHED),
+        "dsv4-kernels: replaced %s in %d places", ", ".join(sorted(originals)), len(patched())
     )
 
 
 def unregister() -> None:
-    """Put vLLM's original functions back."""
-    while _PATCHED:
-        module, name, original = _PATCHED.pop()
-        setattr(module, name, original)
+    """Put vLLM's original functions back, also in modules imported after :func:`register`."""
+    for module in _dsv4_modules():
+        for name, ours in _OURS.items():
+            if getattr(module, name, None) is ours:
+                setattr(module, name, _ORIGINALS[name])
+    _OURS.clear()
     _ORIGINALS.clear()
 
 
 def patched() -> list[str]:
-    """``module.function`` names currently replaced by dsv4-kernels."""
-    return [f"{module.__name__}.{name}" for module, name, _ in _PATCHED]
+    """``module.function`` names that currently hold a dsv4-kernels function."""
+    return sorted(
+        f"{module.__name__}.{name}"
+        for module in _dsv4_modules()
+        for name, ours in _OURS.items()
+        if getattr(module, name, None) is ours
+    )

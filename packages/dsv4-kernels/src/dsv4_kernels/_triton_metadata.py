@@ -123,8 +123,7 @@ def _combine_topk_swa_indices_kernel(
         local = tl.load(topk_row + c, mask=(c < read_len[:, None]) & tok_ok[:, None], other=-1)
     else:
         local = c
-    # 0 <= local < N in one unsigned comparison (negative entries wrap above N).
-    top = tl.where(local.to(tl.uint32) < N.to(tl.uint32), base[:, None] + local, -1)
+    top = tl.where(local >= 0, base[:, None] + local, -1)
     value = tl.where(in_topk, top, tl.where(c < total[:, None], swa_shift[:, None] + c, -1))
     row_width = row_tiles * ROW_ALIGN
     tl.store(out_ptr + rows64 * out_stride + c, value, mask=tok_ok[:, None] & (c < row_width))

@@ -57,6 +57,12 @@ def check_length(name: str, t: torch.Tensor, expected: int, what: str) -> None:
         raise ValueError(f"{name} must have {expected} entries ({what}), got {t.shape[0]}")
 
 
+def check_min_length(name: str, t: torch.Tensor, expected: int, what: str) -> None:
+    """Check ``t.shape[0] >= expected`` (vLLM passes buffers longer than the batch)."""
+    if t.shape[0] < expected:
+        raise ValueError(f"{name} must have at least {expected} entries ({what}), got {t.shape[0]}")
+
+
 def check_nonnegative_int(name: str, value: object) -> int:
     """Check that ``value`` is a Python int >= 0 and return it."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -80,12 +86,22 @@ def check_out(
     shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
+    *,
+    allow_more_rows: bool = False,
 ) -> None:
-    """Check a caller-supplied output buffer (no allocation happens when it is given)."""
+    """Check a caller-supplied output buffer (no allocation happens when it is given).
+
+    With ``allow_more_rows`` the buffer may have more rows than ``shape[0]``
+    (a workspace sized for the largest batch); the caller uses its first rows.
+    """
     if out is None:
         return
     check_tensor(name, out, dtype=dtype, device=device)
-    if tuple(out.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(out.shape)}")
+    got = tuple(out.shape)
+    rows_ok = got[:1] == shape[:1] or (allow_more_rows and got[:1] >= shape[:1])
+    if len(got) != len(shape) or got[1:] != shape[1:] or not rows_ok:
+        want = f"({'>= ' if allow_more_rows else ''}{shape[0]}{', ' if shape[1:] else ''}"
+        want += ", ".join(str(d) for d in shape[1:]) + ")"
+        raise ValueError(f"{name} must have shape {want}, got {got}")
     if out.dim() > 0 and out.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension")

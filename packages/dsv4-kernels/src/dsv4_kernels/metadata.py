@@ -14,6 +14,7 @@ from . import _triton_metadata as _k
 from ._validation import (
     INDEX_DTYPES,
     check_length,
+    check_min_length,
     check_nonnegative_int,
     check_out,
     check_positive_int,
@@ -108,7 +109,7 @@ def _combine_args(
         # reads it back (a synchronisation); pass `num_tokens=` to avoid it.
         num_tokens = int(query_start_loc[-1].item() - query_start_loc[0].item())
     width = combined_width(topk, window_size, max_image_tokens)
-    check_out("out", out, (num_tokens, width), torch.int32, device)
+    check_out("out", out, (num_tokens, width), torch.int32, device, allow_more_rows=True)
     return num_tokens, width
 
 
@@ -142,7 +143,7 @@ def combine_topk_swa_indices(
       with images ``swa_start = max(pos - (W-1) - max(left - (W-1), 0), 0)`` and
       ``swa_len = max(pos + right - swa_start + 1, 0)``;
     * columns ``j < topk_len`` hold ``b*M + topk_indices[t, j]`` (an entry
-      that is negative or ``>= N`` gives -1); the next ``swa_len`` columns hold
+      that is negative stays -1); the next ``swa_len`` columns hold
       ``b*M + N + swa_start - (seq_lens[b] - gather_lens[b]) + (j - topk_len)``;
       every other column is -1.
 
@@ -160,7 +161,8 @@ def combine_topk_swa_indices(
         topk: top-k width (``index_topk`` for C4A, the active compressed width
             for C128A, 0 for SWA-only).
         M: workspace rows per request.  N: first window row within a request.
-        out: optional ``[num_tokens, Wc]`` int32 output, ``Wc = ceil((topk + W
+        out: optional ``[>= num_tokens, Wc]`` int32 output (its first
+            ``num_tokens`` rows are written and returned), ``Wc = ceil((topk + W
             + max_image_tokens) / 128) * 128``, or a ``(combined, lens)`` pair
             of preallocated outputs as vLLM 0.32 passes it.  With both outputs
             given nothing is allocated and nothing synchronises, so the call
@@ -168,7 +170,7 @@ def combine_topk_swa_indices(
         left_visible, right_visible: optional ``[num_tokens]`` int32 image
             bidirectional visibility (given together).
         max_image_tokens: extra row width reserved for image windows.
-        lens_out: optional ``[num_tokens]`` int32 buffer for ``lens`` (an
+        lens_out: optional ``[>= num_tokens]`` int32 buffer for ``lens`` (an
             extension of vLLM's signature); with ``out`` and ``lens_out`` the
             call allocates nothing.
         num_tokens: optional number of query tokens (an extension): needed
@@ -209,7 +211,12 @@ def combine_topk_swa_indices(
         num_tokens,
     )
     device = query_start_loc.device
-    check_out("lens_out", lens_out, (num_tokens,), torch.int32, device)
+    check_out("lens_out", lens_out, (num_tokens,), torch.int32, device, allow_more_rows=True)
+    # Workspaces sized for the largest batch (as vLLM passes them): use their first rows.
+    if out is not None:
+        out = out[:num_tokens]
+    if lens_out is not None:
+        lens_out = lens_out[:num_tokens]
     if not use_triton(device):
         from .reference import metadata as ref
 
@@ -307,10 +314,11 @@ def compute_global_topk_indices_and_lens(
 
     Args:
         topk_indices: ``[num_tokens, K]`` int32 request-local compressed indices.
-        token_to_req_indices: ``[num_tokens]`` int32 request row of each token.
+        token_to_req_indices: ``[>= num_tokens]`` int32 request row of each token
+            (vLLM passes the whole batch's; the first ``num_tokens`` are used).
         block_table: ``[num_reqs, max_pages]`` int32 page ids (compressed cache).
         block_size: entries per compressed-cache page (256 / compress_ratio).
-        is_valid_token: ``[num_tokens]`` bool (or int32, nonzero = valid).
+        is_valid_token: ``[>= num_tokens]`` bool (or int32, nonzero = valid).
         out, lens_out: optional preallocated outputs (``[num_tokens, K]`` and
             ``[num_tokens]`` int32; an extension of vLLM's signature): with
             both, the call allocates nothing and can be captured in a graph.
@@ -325,13 +333,13 @@ def compute_global_topk_indices_and_lens(
     check_tensor(
         "token_to_req_indices", token_to_req_indices, dtype=INDEX_DTYPES, ndim=1, device=device
     )
-    check_length("token_to_req_indices", token_to_req_indices, num_tokens, "one per token")
+    check_min_length("token_to_req_indices", token_to_req_indices, num_tokens, "one per token")
     check_tensor("block_table", block_table, dtype=INDEX_DTYPES, ndim=2, device=device)
     check_positive_int("block_size", block_size)
     check_tensor(
         "is_valid_token", is_valid_token, dtype=(torch.bool, torch.int32), ndim=1, device=device
     )
-    check_length("is_valid_token", is_valid_token, num_tokens, "one per token")
+    check_min_length("is_valid_token", is_valid_token, num_tokens, "one per token")
     if width > 0 and topk_indices.stride(1) != 1:
         raise ValueError("topk_indices must be contiguous in its last dimension")
     if block_table.shape[1] > 0 and block_table.stride(1) != 1:

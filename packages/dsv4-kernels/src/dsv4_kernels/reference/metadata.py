@@ -56,6 +56,9 @@ def combine_topk_swa_indices(
         num_tokens = int(query_start_loc[-1].item() - query_start_loc[0].item())
     if out is None:
         out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
+    out = out[:num_tokens]
+    if lens_out is not None:
+        lens_out = lens_out[:num_tokens]
     if lens_out is None:
         lens_out = torch.empty((num_tokens,), dtype=torch.int32, device=device)
     if num_tokens == 0:
@@ -87,7 +90,7 @@ def combine_topk_swa_indices(
         local[:, :k] = topk_indices[:, :k].long()
     else:
         local = j.expand(num_tokens, width)
-    top = torch.where((local >= 0) & (local < N), base[:, None] + local, -1)
+    top = torch.where(local >= 0, base[:, None] + local, -1)
     swa = (base + N + swa_start - (seq - gather_lens.long()[req]))[:, None] + (
         j - topk_len[:, None]
     )
@@ -110,11 +113,12 @@ def compute_global_topk_indices_and_lens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for :func:`dsv4_kernels.compute_global_topk_indices_and_lens`."""
     local = topk_indices.long()
-    valid_tok = (is_valid_token != 0)[:, None]
+    num_tokens = local.shape[0]
+    valid_tok = (is_valid_token[:num_tokens] != 0)[:, None]
     page = torch.div(local, block_size, rounding_mode="floor")
     num_pages = block_table.shape[1]
     live = valid_tok & (local >= 0) & (page < num_pages)
-    req = token_to_req_indices.long()
+    req = token_to_req_indices[:num_tokens].long()
     # Gather only where live: dead entries read page 0 of row 0 (if any) and are masked.
     safe_req = torch.where(valid_tok, req[:, None], 0).expand_as(local)
     safe_page = torch.where(live, page, 0)
