@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import torch
@@ -10,6 +11,11 @@ import torch
 from .harness import BenchCase, Provider, same_bytes_copy
 
 POISON = -7777
+
+
+def fresh_seed() -> int:
+    """Fresh random inputs on every run; the seed is recorded with the results."""
+    return int.from_bytes(os.urandom(4), "little")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +30,7 @@ class CombineShape:
 WINDOW = 128
 C4A_TOPK = 512
 
+# The issue's matrix (its targets are computed over these) ...
 COMBINE_MATRIX = [
     CombineShape("c4a-1x1024", "c4a", 1, 1024, 1024),
     CombineShape("c4a-4x1024", "c4a", 4, 1024, 1024),
@@ -34,6 +41,12 @@ COMBINE_MATRIX = [
     CombineShape("c128a-16x1024", "c128a", 16, 1024, 1024),
     CombineShape("c4a-1x16384@131072", "c4a", 1, 16384, 131072),
     CombineShape("c128a-1x16384@131072", "c128a", 1, 16384, 131072),
+]
+# ... and the rest of DESIGN.md's minimum: every layer type at every seed size.
+COMBINE_EXTRA = [
+    CombineShape(f"{layer}-{n}x{q}", layer, n, q, q)
+    for layer in ("swa", "c128a")
+    for n, q in ((1, 1024), (4, 1024), (1, 4096), (1, 16384))
 ]
 COMBINE_SMOKE = [
     CombineShape("c4a-2x96", "c4a", 2, 96, 300),
@@ -112,9 +125,10 @@ def build_combine_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
 
     from .upstream_metadata import combine_per_request_workers
 
-    g = torch.Generator().manual_seed(1234)
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
     cases = []
-    for shape in COMBINE_SMOKE if smoke else COMBINE_MATRIX:
+    for shape in COMBINE_SMOKE if smoke else COMBINE_MATRIX + COMBINE_EXTRA:
         inp = _combine_inputs(shape, device, g)
         T, topk_read = inp.pop("_T"), inp.pop("_topk_read")
         args = list(inp.values())
@@ -156,6 +170,8 @@ def build_combine_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
                     "context": shape.context,
                     "topk": inp["topk"],
                     "width": width,
+                    "issue_matrix": shape in COMBINE_MATRIX,
+                    "seed": seed,
                 },
             )
         )
@@ -172,7 +188,10 @@ def build_global_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
     import dsv4_kernels as dk
     from dsv4_kernels import reference as ref
 
-    g = torch.Generator().manual_seed(4321)
+    from .upstream_metadata import global_per_token_program
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
     cases = []
     block_size, K = 64, C4A_TOPK
     for name, num_reqs, q, context in GLOBAL_SMOKE if smoke else GLOBAL_MATRIX:
@@ -197,7 +216,10 @@ def build_global_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
         # each top-k entry read once, each output written once, each live entry's table
         # word read once (at most the table), the per-token metadata once.
         floor = T * K * 4 * 2 + T * (4 + 1 + 4) + min(live, table.numel()) * 4
-        providers = [prov] + ([same_bytes_copy(floor, device)] if device.type == "cuda" else [])
+        upstream = _provider("per-token-program", lambda a=args: global_per_token_program(*a), want)
+        providers = [prov, upstream]
+        if device.type == "cuda":
+            providers.append(same_bytes_copy(floor, device))
         cases.append(
             BenchCase(
                 "compute_global_topk_indices_and_lens",

@@ -111,3 +111,48 @@ def combine_per_request_workers(
         HAS_TOPK=has_topk,
     )
     return out, lens
+
+
+@triton.jit
+def _per_token_global_kernel(
+    out_ptr, out_stride, lens_ptr, topk_ptr, topk_stride, req_ptr, table_ptr, table_stride,
+    block_size, valid_ptr, K, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    req = tl.load(req_ptr + t)
+    valid_tok = tl.load(valid_ptr + t)
+    count = tl.zeros((BLOCK,), dtype=tl.int32)
+    for start in range(0, K, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        in_row = offs < K
+        local = tl.load(topk_ptr + t * topk_stride + offs, mask=in_row, other=-1)
+        live = local >= 0
+        page = local // block_size
+        block = tl.load(table_ptr + req * table_stride + page, mask=in_row & live, other=0)
+        slot = tl.where(live, block * block_size + local - page * block_size, -1)
+        tl.store(out_ptr + t * out_stride + offs, slot, mask=in_row)
+        count += live.to(tl.int32)
+    tl.store(lens_ptr + t, tl.where(valid_tok != 0, tl.sum(count, axis=0), 0))
+
+
+def global_per_token_program(
+    topk_indices: torch.Tensor,
+    token_to_req_indices: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    is_valid_token: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Upstream's design: one program per token, a block of next_pow2(K) entries at a time.
+
+    As upstream, it maps every entry of every token (padding tokens' rows too)
+    and only zeroes their lengths; the benchmark checks it on all-valid batches.
+    """
+    num_tokens, k = topk_indices.shape
+    out = torch.empty_like(topk_indices)
+    lens = torch.empty((num_tokens,), dtype=torch.int32, device=topk_indices.device)
+    _per_token_global_kernel[(num_tokens,)](
+        out, out.stride(0), lens, topk_indices, topk_indices.stride(0), token_to_req_indices,
+        block_table, block_table.stride(0), block_size, is_valid_token, k,
+        BLOCK=min(1024, triton.next_power_of_2(k)),
+    )  # fmt: skip
+    return out, lens
