@@ -119,7 +119,12 @@ def host_breakdown(dev: torch.device) -> None:
 
 
 def main() -> None:
+    import sys
+
     dev = torch.device("cuda")
+    if "--global-only" in sys.argv:
+        sweep_global(dev)
+        return
     host_breakdown(dev)
     g = torch.Generator().manual_seed(7)
     names = ("c4a-1x1024", "c4a-16x1024", "c4a-1x16384@131072", "swa-16x1024")
@@ -147,11 +152,21 @@ def main() -> None:
             t_bench, t_host, t_graph = _time_us(fn, dev, 60)[1], _host_us(fn), _graph_us(fn)
             cells.append(f"{t_bench:6.2f}/{t_host:5.1f}/{t_graph:6.2f}")
         print(f"combine {bt:2d} {bc:3d} {nw} | " + " | ".join(cells), flush=True)
+    sweep_global(dev)
+
+
+def sweep_global(dev: torch.device) -> None:
     from .cases_metadata import build_global_cases
 
     cases = [c for c in build_global_cases(dev, False) if c.tokens == 16384]
+    for case in cases:
+        for prov in case.providers[1:]:
+            prov.poison()
+            prov.run()
+            prov.check()
+            print(f"{prov.name} {case.case}: {_time_us(prov.run, dev, 60)[1]:7.2f}")
     print("global BT BK warps | per case (" + ", ".join(c.case for c in cases) + "): do_bench us")
-    for bt, bk, nw in itertools.product((1, 2, 4), (256, 512), (2, 4)):
+    for bt, bk, nw in itertools.product((1, 2, 4), (128, 256, 512), (1, 2, 4, 8)):
         md.GLOBAL_BLOCK_T, md.GLOBAL_BLOCK_K, md.GLOBAL_NUM_WARPS = bt, bk, nw
         cells = []
         for case in cases:
