@@ -137,11 +137,11 @@ def summarise(results: Sequence[Result], smoke: bool) -> str:
             return row["per-request-workers-256"].p50_us / row[OURS].p50_us
 
         issue = [r for r in combine.values() if r[OURS].params.get("issue_matrix")]
+        which = f"the issue's {len(issue)} cases" if issue else "smoke cases"
         issue = issue or list(combine.values())  # the CPU smoke matrix has none of them
         lines.append(
             _target(
-                f"combine geomean speed-up vs per-request-workers-256 (the issue's {len(issue)} "
-                "cases)",
+                f"combine geomean speed-up vs per-request-workers-256 ({which})",
                 _geomean([speedup(r) for r in issue]),
                 2.5,
                 True,
