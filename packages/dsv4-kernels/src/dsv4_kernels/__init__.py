@@ -16,8 +16,12 @@ from .kv_cache import (
     quantize_and_insert_k_cache,
 )
 from .metadata import combine_topk_swa_indices, compute_global_topk_indices_and_lens
+from .prefill_indices import PrefillIndices, build_prefill_indices
+from .sparse_mla import sparse_mla_paged, sparse_mla_workspace
 
 __all__ = [
+    "PrefillIndices",
+    "build_prefill_indices",
     "combine_topk_swa_indices",
     "compute_global_topk_indices_and_lens",
     "dequantize_and_gather_k_cache",
@@ -26,5 +30,7 @@ __all__ = [
     "k_cache_page_stride",
     "quantize_and_insert_k_cache",
     "reference",
+    "sparse_mla_paged",
+    "sparse_mla_workspace",
 ]
 __version__ = "0.1.0"

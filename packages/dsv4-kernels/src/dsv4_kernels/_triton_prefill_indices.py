@@ -1,0 +1,156 @@
+"""Triton kernel for the prefill index rows as global cache slots.
+
+Launched from :mod:`.prefill_indices`.  One launch writes, for every query
+token of a prefill chunk, its window row (window-cache slots of positions
+``pos-W+1 .. pos``), its compressed row (compressed-cache slots of the C4A
+top-k entries or of the C128A entries ``0 .. topk_len-1``), or both, and
+their lengths.
+
+Design (like the metadata kernels):
+
+* token-parallel: a program owns ``BLOCK_T`` tokens and one ``BLOCK_C``-wide
+  column tile of either the window row (the first ``win_tiles`` tiles of grid
+  axis 1) or the compressed row (the rest), so one long request and many
+  short ones give the same amount of independent work;
+* every output element is written exactly once, in the same launch (no
+  separate ``-1`` fill); the block tables are read only for live entries and
+  pages inside the table, so no read goes out of bounds whatever the values;
+* row offsets are 64-bit; sizes and strides are run-time values excluded from
+  specialisation; only geometry (window, page sizes, ratio, tiles) is
+  ``tl.constexpr``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+RUNTIME_ARGS = [
+    "qsl_ptr",
+    "seq_lens_ptr",
+    "win_table_ptr",
+    "comp_table_ptr",
+    "win_lens_ptr",
+    "comp_lens_ptr",
+    "win_table_stride",
+    "comp_table_stride",
+    "topk_stride",
+    "win_stride",
+    "comp_stride",
+    "num_tokens",
+    "num_reqs",
+    "win_pages",
+    "comp_pages",
+    "topk",
+    "win_tiles",
+]
+
+
+@triton.jit
+def _slots(table_row, entry, live, num_pages, BS: tl.constexpr):
+    """``table[entry // BS] * BS + entry % BS`` for live entries whose page exists, else -1.
+
+    Negative entries wrap to huge unsigned pages, so one comparison rejects
+    them together with pages past the table; a negative page id gives -1.
+    """
+    u_entry = entry.to(tl.uint32)
+    page = u_entry // BS
+    live = live & (page < num_pages.to(tl.uint32))
+    block = tl.load(table_row + tl.where(live, page, 0).to(tl.int32), mask=live, other=-1)
+    slot = block * BS + (u_entry % BS).to(tl.int32)
+    return tl.where(live & (block >= 0), slot, -1)
+
+
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
+def _prefill_indices_kernel(
+    # pointers
+    qsl_ptr,  # [num_reqs + 1] int32, not rebased
+    seq_lens_ptr,  # [>= num_reqs] int32
+    win_table_ptr,  # [>= num_reqs, win_pages] int32 (HAS_WINDOW)
+    comp_table_ptr,  # [>= num_reqs, comp_pages] int32 (COMP_MODE > 0)
+    topk_ptr,  # [>= num_tokens, >= topk] int32 (COMP_MODE == 1)
+    win_ptr,  # [num_tokens, WINDOW] int32
+    win_lens_ptr,  # [num_tokens] int32
+    comp_ptr,  # [num_tokens, topk] int32
+    comp_lens_ptr,  # [num_tokens] int32
+    # sizes and strides
+    win_table_stride,
+    comp_table_stride,
+    topk_stride,
+    win_stride,
+    comp_stride,
+    num_tokens,
+    num_reqs,
+    win_pages,
+    comp_pages,
+    topk,
+    win_tiles,  # column tiles of the window row (0 without HAS_WINDOW)
+    # meta-parameters
+    WINDOW: tl.constexpr,
+    WIN_BS: tl.constexpr,
+    COMP_BS: tl.constexpr,
+    RATIO: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    COMP_MODE: tl.constexpr,  # 0: no compressed row, 1: map top-k (C4A), 2: generate (C128A)
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = toks < num_tokens
+
+    # Request of each token: the number of request ends qsl[1..B] <= t + qsl[0],
+    # counted over tiles of requests; zero-length requests fall out naturally.
+    qs0 = tl.load(qsl_ptr)
+    x = toks + qs0
+    req = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for r0 in range(0, num_reqs, BLOCK_R):
+        r = r0 + 1 + tl.arange(0, BLOCK_R)
+        ends = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=2147483647)
+        req += tl.sum((ends[None, :] <= x[:, None]).to(tl.int32), axis=1)
+    req = tl.minimum(req, num_reqs - 1)
+    q_start = tl.load(qsl_ptr + req, mask=tok_ok, other=0)
+    q_end = tl.load(qsl_ptr + req + 1, mask=tok_ok, other=0)
+    seq_len = tl.load(seq_lens_ptr + req, mask=tok_ok, other=0)
+    pos = seq_len - (q_end - q_start) + (x - q_start)
+    req64 = req.to(tl.int64)[:, None]
+    rows64 = toks.to(tl.int64)[:, None]
+
+    # Constexpr test outside, run-time test inside: the dead branch compiles away.
+    if HAS_WINDOW:  # noqa: SIM102
+        if pid_c < win_tiles:
+            swa_start = tl.maximum(pos - (WINDOW - 1), 0)
+            swa_len = tl.maximum(tl.minimum(pos + 1, WINDOW), 0)
+            if pid_c == 0:
+                tl.store(win_lens_ptr + toks, swa_len, mask=tok_ok)
+            c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+            live = (c < swa_len[:, None]) & tok_ok[:, None]
+            slot = _slots(
+                win_table_ptr + req64 * win_table_stride,
+                swa_start[:, None] + c,
+                live,
+                win_pages,
+                WIN_BS,
+            )
+            tl.store(win_ptr + rows64 * win_stride + c, slot, mask=tok_ok[:, None] & (c < WINDOW))
+    if COMP_MODE > 0:  # noqa: SIM102
+        if pid_c >= win_tiles:
+            topk_len = tl.minimum(tl.maximum((pos + 1) // RATIO, 0), topk)
+            if pid_c == win_tiles:
+                tl.store(comp_lens_ptr + toks, topk_len, mask=tok_ok)
+            c = ((pid_c - win_tiles) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+            live = (c < topk_len[:, None]) & tok_ok[:, None]
+            if COMP_MODE == 1:
+                entry = tl.load(topk_ptr + rows64 * topk_stride + c, mask=live, other=-1)
+            else:
+                entry = c + tl.zeros([BLOCK_T, 1], dtype=tl.int32)
+            slot = _slots(
+                comp_table_ptr + req64 * comp_table_stride,
+                entry,
+                live,
+                comp_pages,
+                COMP_BS,
+            )
+            tl.store(comp_ptr + rows64 * comp_stride + c, slot, mask=tok_ok[:, None] & (c < topk))

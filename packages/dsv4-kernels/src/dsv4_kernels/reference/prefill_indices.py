@@ -1,0 +1,126 @@
+"""Pure-torch reference for the prefill index rows as global cache slots.
+
+Same signature and results as :func:`dsv4_kernels.build_prefill_indices`,
+vectorised over tokens (no Python loop per token).  It runs on any device and
+is what CPU tensors use unless Triton's interpreter is on.  Validation is the
+public wrapper's job: call this through ``dsv4_kernels`` for checked inputs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["PrefillIndices", "build_prefill_indices"]
+
+
+class PrefillIndices(NamedTuple):
+    """Index rows of one prefill chunk, as :func:`dsv4_kernels.sparse_mla_paged` takes them.
+
+    ``window``/``window_lens``: ``[T, W]`` window-cache slots and their
+    counts; ``comp``/``comp_lens``: ``[T, topk]`` compressed-cache slots and
+    their counts.  A part that was not asked for is None.
+    """
+
+    window: torch.Tensor | None
+    window_lens: torch.Tensor | None
+    comp: torch.Tensor | None
+    comp_lens: torch.Tensor | None
+
+
+def _positions(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request of each token, position of each token in its request), int64."""
+    qsl = query_start_loc.long() - query_start_loc[:1].long()
+    num_reqs = qsl.shape[0] - 1
+    t = torch.arange(num_tokens, device=qsl.device)
+    req = torch.searchsorted(qsl[1:].contiguous(), t, right=True).clamp_(max=max(num_reqs - 1, 0))
+    if num_reqs == 0:
+        return req, torch.zeros_like(t)
+    q_start, q_end = qsl[req], qsl[req + 1]
+    pos = seq_lens[:num_reqs].long().to(qsl.device)[req] - (q_end - q_start) + (t - q_start)
+    return req, pos
+
+
+def _slots(
+    req: torch.Tensor,
+    entry: torch.Tensor,
+    live: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """``block_table[req, entry // bs] * bs + entry % bs`` where live and the page exists, else -1.
+
+    Pages past the table's width and negative page ids give -1; the table is
+    read only where the entry is live.
+    """
+    page = torch.div(entry, block_size, rounding_mode="floor")
+    width = block_table.shape[1]
+    live = live & (entry >= 0) & (page < width)
+    if width == 0:
+        return torch.full_like(entry, -1)
+    table = block_table.long()
+    safe_req = torch.where(live, req[:, None], 0)
+    safe_page = torch.where(live, page, 0)
+    block = table[safe_req, safe_page]
+    live = live & (block >= 0)
+    return torch.where(live, block * block_size + (entry - page * block_size), -1)
+
+
+def build_prefill_indices(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_tokens: int,
+    window_block_table: torch.Tensor | None = None,
+    window_block_size: int = 64,
+    window_size: int = 128,
+    compress_ratio: int = 1,
+    comp_block_table: torch.Tensor | None = None,
+    comp_block_size: int | None = None,
+    topk_indices: torch.Tensor | None = None,
+    topk: int | None = None,
+    window_out: torch.Tensor | None = None,
+    window_lens_out: torch.Tensor | None = None,
+    comp_out: torch.Tensor | None = None,
+    comp_lens_out: torch.Tensor | None = None,
+) -> PrefillIndices:
+    """Reference of :func:`dsv4_kernels.build_prefill_indices` (same contract)."""
+    device = query_start_loc.device
+    req, pos = _positions(query_start_loc, seq_lens, num_tokens)
+    window = window_lens = comp = comp_lens = None
+
+    if window_block_table is not None:
+        w = window_size
+        swa_start = (pos - (w - 1)).clamp(min=0)
+        swa_len = torch.minimum(pos + 1, torch.full_like(pos, w)).clamp(min=0)
+        c = torch.arange(w, device=device)[None, :]
+        p = swa_start[:, None] + c
+        rows = _slots(req, p, c < swa_len[:, None], window_block_table, window_block_size)
+        if window_out is None:
+            window_out = torch.empty((num_tokens, w), dtype=torch.int32, device=device)
+        if window_lens_out is None:
+            window_lens_out = torch.empty((num_tokens,), dtype=torch.int32, device=device)
+        window = window_out[:num_tokens].copy_(rows)
+        window_lens = window_lens_out[:num_tokens].copy_(swa_len)
+
+    if comp_block_table is not None:
+        assert topk is not None and comp_block_size is not None
+        topk_len = torch.div(pos + 1, compress_ratio, rounding_mode="floor").clamp(0, topk)
+        c = torch.arange(topk, device=device)[None, :]
+        in_len = c < topk_len[:, None]
+        if topk_indices is not None:
+            local = torch.where(in_len, topk_indices[:num_tokens, :topk].long(), -1)
+        else:
+            local = c.expand(num_tokens, topk)
+        rows = _slots(req, local, in_len, comp_block_table, comp_block_size)
+        if comp_out is None:
+            comp_out = torch.empty((num_tokens, topk), dtype=torch.int32, device=device)
+        if comp_lens_out is None:
+            comp_lens_out = torch.empty((num_tokens,), dtype=torch.int32, device=device)
+        comp = comp_out[:num_tokens].copy_(rows)
+        comp_lens = comp_lens_out[:num_tokens].copy_(topk_len)
+
+    return PrefillIndices(window, window_lens, comp, comp_lens)
