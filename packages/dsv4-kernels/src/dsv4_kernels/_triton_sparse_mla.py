@@ -1,0 +1,323 @@
+# mypy: allow-untyped-defs
+"""Triton kernel for sparse MLA with sink (launched from :mod:`.sparse_mla`).
+
+One program owns one query token and ``BLOCK_H`` of its heads (``BLOCK_H`` is
+the head count rounded up to 16, the smallest MMA M, and at most 64): heads
+are padded inside the kernel only, never in memory.  It walks the token's
+key list (source A: window-cache slots or workspace rows; source B:
+compressed-cache slots) ``BLOCK_N`` keys at a time:
+
+* gather the keys' bytes by slot: 7 x 64 FP8 codes, 7 UE8M0 scale bytes and
+  64 bf16 rope values per key, at page ``slot // SLOTS`` (``page *
+  page_stride``, 64-bit, ``page_stride`` a run-time value so per-layer views
+  with any block-outer stride share one compiled kernel);
+* dequantise once into a ``[BLOCK_N, 512]`` bf16 tile (exact: an E4M3 code
+  times a power of two fits bf16), used as K for ``S = q K^T`` and as V for
+  ``O += P V``;
+* online softmax in base 2 (``scale * log2(e)`` folded into the scores),
+  masked keys (past the length, ``-1``, or slots past the cache) at ``-inf``.
+
+At the end ``lse = ln 2 * (m + log2 l)`` (without the sink) and ``o =
+acc / l / (1 + exp(sink - lse))``; a row with no valid key writes 0 and
+``-inf``.  Program ids are flattened with the head block fastest, so the
+programs of one token run together and neighbouring tokens (which share
+window keys) run close in time.
+
+``DOT_FP32`` up-casts the dot operands to fp32: Triton's interpreter
+computes ``tl.dot`` on bf16 operands wrongly (DESIGN.md, "Where it runs").
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Run-time sizes that must not be specialised on value: a new layer, batch or
+# cache size must not compile a new kernel.
+RUNTIME_ARGS = [
+    "num_tokens",
+    "num_heads",
+    "a_idx_stride",
+    "a_width",
+    "a_row_stride",
+    "a_num_rows",
+    "b_idx_stride",
+    "b_width",
+    "b_row_stride",
+    "b_num_rows",
+    "q_stride_t",
+    "q_stride_h",
+    "out_stride_t",
+    "out_stride_h",
+    "lse_stride_t",
+]
+
+
+@triton.jit
+def _load_keys(
+    src_ptr,
+    rows,  # [BLOCK_N] int64 slot (paged) or row (workspace)
+    ok,  # [BLOCK_N] which keys are real
+    row_stride,  # page stride in bytes (paged) or row stride in elements (workspace)
+    SLOTS: tl.constexpr,
+    PAGED: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NOPE: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    NQ: tl.constexpr,
+    NQ_PAD: tl.constexpr,
+    DATA_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``[BLOCK_N, HEAD_DIM]`` bf16 keys (zero for masked rows)."""
+    if PAGED:
+        page = rows // SLOTS
+        in_page = rows % SLOTS
+        base = page * row_stride
+        data_off = base + in_page * DATA_BYTES
+        scale_off = base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES
+        if ALIGNED:
+            data_off = tl.multiple_of(data_off, 16)
+            scale_off = tl.multiple_of(scale_off, 8)
+        qb = tl.arange(0, NQ_PAD)  # 8 blocks of 64: 7 FP8 blocks, then the rope
+        col = tl.arange(0, QBLOCK)
+        elem = qb[:, None] * QBLOCK + col[None, :]  # [8, 64]
+        is_nope = (qb < NQ)[None, :, None]
+        data = src_ptr + data_off
+        codes = tl.load(
+            data[:, None, None] + elem[None, :, :], mask=ok[:, None, None] & is_nope, other=0
+        )
+        sbytes = tl.load(
+            (src_ptr + scale_off)[:, None] + qb[None, :],
+            mask=ok[:, None] & (qb < NQ)[None, :],
+            other=0,
+        )
+        scale = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2**(byte - 127)
+        nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+        rope_src = (data + NOPE).to(tl.pointer_type(tl.bfloat16))
+        rope = tl.load(
+            rope_src[:, None, None] + (elem - NOPE)[None, :, :],
+            mask=ok[:, None, None] & (qb == NQ)[None, :, None],
+            other=0.0,
+        )
+        k = tl.where(is_nope, nope, rope.to(tl.float32))
+        return tl.reshape(k, (BLOCK_N, HEAD_DIM)).to(tl.bfloat16)
+    else:
+        d = tl.arange(0, HEAD_DIM)
+        return tl.load(
+            src_ptr + rows[:, None] * row_stride + d[None, :], mask=ok[:, None], other=0.0
+        )
+
+
+@triton.jit
+def _attend_source(
+    acc,
+    m_i,
+    l_i,
+    q,
+    src_ptr,
+    idx_row_ptr,  # this token's index row
+    length,  # keys counted in this row
+    row_stride,
+    num_rows,  # slots (rows) in the source: larger indices are holes
+    qk_scale,  # scale * log2(e)
+    SLOTS: tl.constexpr,
+    PAGED: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NOPE: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    NQ: tl.constexpr,
+    NQ_PAD: tl.constexpr,
+    DATA_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    n = tl.arange(0, BLOCK_N)
+    for start in tl.range(0, length, BLOCK_N, num_stages=NUM_STAGES):
+        col = start + n
+        idx = tl.load(idx_row_ptr + col, mask=col < length, other=-1).to(tl.int64)
+        ok = (idx >= 0) & (idx < num_rows)
+        k = _load_keys(
+            src_ptr,
+            idx,
+            ok,
+            row_stride,
+            SLOTS,
+            PAGED,
+            ALIGNED,
+            HEAD_DIM,
+            NOPE,
+            QBLOCK,
+            NQ,
+            NQ_PAD,
+            DATA_BYTES,
+            SCALE_BYTES,
+            BLOCK_N,
+        )
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if DOT_FP32:
+            acc += tl.dot(p, k.to(tl.float32))
+        else:
+            acc = tl.dot(p.to(tl.bfloat16), k, acc)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
+def _sparse_mla_kernel(
+    # pointers
+    q_ptr,  # [T, H, 512] bf16
+    out_ptr,  # [T, H, 512] bf16
+    lse_ptr,  # [T, H] float32
+    sink_ptr,  # [H] float32 (unused unless HAS_SINK)
+    a_src_ptr,  # source A: uint8 pages (PAGED) or bf16 workspace rows
+    a_idx_ptr,  # [T, a_width] int32
+    a_len_ptr,  # [T] int32 (unused unless A_HAS_LENS)
+    b_src_ptr,  # source B: uint8 pages (unused unless HAS_B)
+    b_idx_ptr,
+    b_len_ptr,
+    # sizes and strides
+    num_tokens,
+    num_heads,
+    a_idx_stride,
+    a_width,
+    a_row_stride,
+    a_num_rows,
+    b_idx_stride,
+    b_width,
+    b_row_stride,
+    b_num_rows,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    lse_stride_t,
+    qk_scale,  # scale * log2(e)
+    # meta-parameters
+    A_SLOTS: tl.constexpr,
+    A_PAGED: tl.constexpr,
+    A_HAS_LENS: tl.constexpr,
+    HAS_B: tl.constexpr,
+    B_SLOTS: tl.constexpr,
+    B_HAS_LENS: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # 512
+    NOPE: tl.constexpr,  # 448
+    QBLOCK: tl.constexpr,  # 64
+    NQ: tl.constexpr,  # 7
+    NQ_PAD: tl.constexpr,  # 8
+    DATA_BYTES: tl.constexpr,  # 576
+    SCALE_BYTES: tl.constexpr,  # 8
+    HEAD_BLOCKS: tl.constexpr,  # cdiv(H, BLOCK_H)
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = (pid // HEAD_BLOCKS).to(tl.int64)
+    hb = pid % HEAD_BLOCKS
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + t * q_stride_t + heads[:, None].to(tl.int64) * q_stride_h + d[None, :],
+        mask=h_ok[:, None],
+        other=0.0,
+    )
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
+
+    a_len = a_width
+    if A_HAS_LENS:
+        a_len = tl.minimum(tl.load(a_len_ptr + t), a_width)
+    acc, m_i, l_i = _attend_source(
+        acc,
+        m_i,
+        l_i,
+        q,
+        a_src_ptr,
+        a_idx_ptr + t * a_idx_stride,
+        a_len,
+        a_row_stride,
+        a_num_rows,
+        qk_scale,
+        A_SLOTS,
+        A_PAGED,
+        ALIGNED,
+        HEAD_DIM,
+        NOPE,
+        QBLOCK,
+        NQ,
+        NQ_PAD,
+        DATA_BYTES,
+        SCALE_BYTES,
+        BLOCK_N,
+        DOT_FP32,
+        NUM_STAGES,
+    )
+    if HAS_B:
+        b_len = b_width
+        if B_HAS_LENS:
+            b_len = tl.minimum(tl.load(b_len_ptr + t), b_width)
+        acc, m_i, l_i = _attend_source(
+            acc,
+            m_i,
+            l_i,
+            q,
+            b_src_ptr,
+            b_idx_ptr + t * b_idx_stride,
+            b_len,
+            b_row_stride,
+            b_num_rows,
+            qk_scale,
+            B_SLOTS,
+            True,
+            ALIGNED,
+            HEAD_DIM,
+            NOPE,
+            QBLOCK,
+            NQ,
+            NQ_PAD,
+            DATA_BYTES,
+            SCALE_BYTES,
+            BLOCK_N,
+            DOT_FP32,
+            NUM_STAGES,
+        )
+
+    LN2: tl.constexpr = 0.6931471805599453
+    LOG2E: tl.constexpr = 1.4426950408889634
+    has_key = l_i > 0.0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    lse2 = tl.where(has_key, m_i, 0.0) + tl.log2(l_safe)  # base-2 lse of the scaled scores
+    factor = tl.where(has_key, 1.0 / l_safe, 0.0)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + heads, mask=h_ok, other=float("-inf"))
+        factor = factor / (1.0 + tl.exp2(sink * LOG2E - lse2))
+    o = acc * factor[:, None]
+    lse = tl.where(has_key, lse2 * LN2, float("-inf"))  # natural log, without the sink
+    tl.store(
+        out_ptr + t * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h + d[None, :],
+        o.to(tl.bfloat16),
+        mask=h_ok[:, None],
+    )
+    tl.store(lse_ptr + t * lse_stride_t + heads, lse, mask=h_ok)

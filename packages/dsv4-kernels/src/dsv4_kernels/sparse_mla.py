@@ -1,0 +1,437 @@
+"""Sparse MLA attention with sink for DeepSeek-V4 prefill: public, typed wrappers.
+
+``sparse_mla_paged`` reads the keys straight from the FP8 (UE8M0) paged K
+caches (window cache and compressed cache, global slots); ``sparse_mla_workspace``
+reads a bf16 workspace with request-local rows (what vLLM passes FlashMLA
+today).  Both compute exactly the query heads they are given (any H from 1 to
+128, no padding), with FlashMLA's contract (DESIGN.md, "Sparse MLA with
+sink"): per token ``t`` and head ``h``, over its valid keys ``j``,
+
+    s_j = scale * q[t, h] . k_j
+    lse[t, h] = log sum_j exp(s_j)                 (natural log, sink excluded)
+    out[t, h] = sum_j softmax(s)_j k_j * exp(lse) / (exp(lse) + exp(sink[h]))
+
+with K = V = the key's 512 values (448 dequantised nope + 64 rope).  A key is
+valid when its column is below the row's length, its index is not -1 (any
+negative value is a hole) and it addresses a slot inside the cache: indices
+at or past ``num_pages * block_size`` (workspace: past its rows) are treated
+as holes, since the host cannot see index values without a GPU
+synchronisation.  A sink of ``-inf`` means no sink; a row with no valid key
+gives ``out = 0`` and ``lse = -inf``.
+
+CUDA tensors run the Triton kernel in :mod:`._triton_sparse_mla`; CPU tensors
+run :mod:`dsv4_kernels.reference` unless Triton's interpreter is on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from . import _triton_sparse_mla as _k
+from ._validation import (
+    check_out,
+    check_positive_int,
+    check_tensor,
+    interpreter_enabled,
+    use_triton,
+)
+from .geometry import (
+    HEAD_DIM,
+    NOPE_DIM,
+    NUM_QUANT_BLOCKS,
+    QUANT_BLOCK,
+    TOKEN_BYTES,
+    TOKEN_DATA_BYTES,
+    TOKEN_SCALE_BYTES,
+    page_stride_bytes,
+)
+
+__all__ = ["MAX_HEADS", "sparse_mla_paged", "sparse_mla_workspace"]
+
+MAX_HEADS = 128
+
+# The UE8M0 layout as the kernel's compile-time constants (one source: geometry).
+_LAYOUT = dict(
+    HEAD_DIM=HEAD_DIM,
+    NOPE=NOPE_DIM,
+    QBLOCK=QUANT_BLOCK,
+    NQ=NUM_QUANT_BLOCKS,
+    NQ_PAD=TOKEN_SCALE_BYTES,
+    DATA_BYTES=TOKEN_DATA_BYTES,
+    SCALE_BYTES=TOKEN_SCALE_BYTES,
+)
+
+# Tile sizes (compile-time constants): see docs/attention.md for the H200 sweep.
+MMA_MIN_M = 16  # tl.dot's smallest M: heads are padded to this inside the kernel
+MAX_BLOCK_H = 64
+BLOCK_N = 32
+NUM_WARPS = 4
+NUM_STAGES = 1
+
+_LOG2E = 1.4426950408889634
+
+
+def _block_h(num_heads: int, max_block_h: int = MAX_BLOCK_H) -> int:
+    return min(max(MMA_MIN_M, triton.next_power_of_2(num_heads)), max_block_h)
+
+
+def _check_q(q: object) -> torch.Tensor:
+    q = check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    if q.shape[2] != HEAD_DIM:
+        raise ValueError(
+            f"q must be [num_tokens, num_heads, {HEAD_DIM}] (head size {HEAD_DIM}: "
+            f"{NOPE_DIM} nope + {HEAD_DIM - NOPE_DIM} rope), got shape {tuple(q.shape)}"
+        )
+    if not 1 <= q.shape[1] <= MAX_HEADS:
+        raise ValueError(f"q must have 1 to {MAX_HEADS} heads, got {q.shape[1]}")
+    if q.stride(2) != 1:
+        raise ValueError("q must be contiguous in its last dimension")
+    return q
+
+
+def _check_scale(scale: object) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a float, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive float, got {scale}")
+    return float(scale)
+
+
+def _check_page_cache(name: str, cache: object, block_size: int, device: torch.device) -> int:
+    """Validate a paged FP8 cache view; return its page stride in bytes. Never syncs.
+
+    ``[num_pages, page_bytes]`` or ``[num_pages, block_size, 584]`` uint8, with
+    any page stride ``stride(0) >= round_up(block_size * 584, 576)`` (vLLM's
+    block-outer views hold several layers' pages per block).
+    """
+    c = check_tensor(name, cache, dtype=torch.uint8, ndim=(2, 3), device=device)
+    page_bytes = page_stride_bytes(block_size)
+    num_pages = c.shape[0]
+    if c.dim() == 2:
+        if c.shape[1] < block_size * TOKEN_BYTES or (c.shape[1] > 1 and c.stride(1) != 1):
+            raise ValueError(
+                f"{name} must be [num_pages, >= {block_size * TOKEN_BYTES}] uint8 contiguous in "
+                f"its last dimension (pages of {block_size} slots), got shape {tuple(c.shape)} "
+                f"and strides {c.stride()}"
+            )
+    elif (
+        tuple(c.shape[1:]) != (block_size, TOKEN_BYTES)
+        or c.stride(2) != 1
+        or (block_size > 1 and c.stride(1) != TOKEN_BYTES)
+    ):
+        raise ValueError(
+            f"a 3-D {name} must be a [num_pages, {block_size}, {TOKEN_BYTES}] view with inner "
+            f"strides ({TOKEN_BYTES}, 1), got shape {tuple(c.shape)} and strides {c.stride()}"
+        )
+    stride = c.stride(0) if num_pages > 1 else page_bytes
+    if stride < page_bytes:
+        raise ValueError(
+            f"{name} page stride (stride(0)) must be >= {page_bytes} bytes "
+            f"(round_up({block_size} * {TOKEN_BYTES}, {TOKEN_DATA_BYTES})), got {stride}"
+        )
+    return stride
+
+
+def _check_rows(
+    name: str,
+    indices: object,
+    lens_name: str,
+    lens: object,
+    num_tokens: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    idx = check_tensor(name, indices, dtype=torch.int32, ndim=2, device=device)
+    if idx.shape[0] != num_tokens:
+        raise ValueError(
+            f"{name} must have {num_tokens} rows (one per query token, like q), got {idx.shape[0]}"
+        )
+    if idx.shape[1] > 1 and idx.stride(1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension")
+    if lens is None:
+        return idx, None
+    ln = check_tensor(lens_name, lens, dtype=torch.int32, ndim=1, device=device)
+    if ln.shape[0] != num_tokens:
+        raise ValueError(
+            f"{lens_name} must have {num_tokens} entries (one per query token), got {ln.shape[0]}"
+        )
+    return idx, ln
+
+
+def _check_sink_and_outputs(
+    q: torch.Tensor,
+    attn_sink: object,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    T, H, _ = q.shape
+    sink = None
+    if attn_sink is not None:
+        sink = check_tensor("attn_sink", attn_sink, dtype=torch.float32, ndim=1, device=q.device)
+        if sink.shape[0] != H:
+            raise ValueError(f"attn_sink must have {H} entries (one per head), got {sink.shape[0]}")
+    check_out("out", out, (T, H, HEAD_DIM), torch.bfloat16, q.device)
+    check_out("lse", lse, (T, H), torch.float32, q.device)
+    if out is None:
+        out = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
+    if lse is None:
+        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
+    return sink, out, lse
+
+
+def sparse_mla_paged(
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa_indices: torch.Tensor,
+    swa_lens: torch.Tensor | None,
+    scale: float,
+    *,
+    swa_block_size: int,
+    attn_sink: torch.Tensor | None = None,
+    comp_cache: torch.Tensor | None = None,
+    comp_indices: torch.Tensor | None = None,
+    comp_lens: torch.Tensor | None = None,
+    comp_block_size: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA with sink over keys read from FP8 (UE8M0) paged K caches.
+
+    The window slots and the compressed slots of a token form one key set
+    (FlashMLA decode's ``indices`` + ``extra_indices``).  Semantics in the
+    module docstring.
+
+    Args:
+        q: ``[T, H, 512]`` bf16 queries, ``1 <= H <= 128``, contiguous in the
+            last dimension.
+        swa_cache: the window cache, ``[num_pages, page_bytes]`` or
+            ``[num_pages, swa_block_size, 584]`` uint8 (vLLM's per-layer view)
+            with any page stride ``stride(0) >= round_up(swa_block_size * 584,
+            576)`` (block-outer views, nonzero storage offsets are fine).
+        swa_indices: ``[T, K]`` int32 global slots ``page * swa_block_size +
+            slot_in_page``; ``-1`` is a hole.
+        swa_lens: ``[T]`` int32, only the first ``swa_lens[t]`` columns
+            count; None counts all ``K``.
+        scale: softmax scale (``512 ** -0.5`` for DSV4).
+        swa_block_size: slots per window-cache page (64 in DSV4).
+        attn_sink: ``[H]`` float32 per-head sink (natural-log units; ``-inf``
+            is no sink), or None.
+        comp_cache: the compressed cache (same layout rules, ``comp_block_size``
+            entries per page), or None for SWA-only layers.
+        comp_indices: ``[T, Kc]`` int32 global compressed slots, ``-1`` holes.
+        comp_lens: ``[T]`` int32 lengths for ``comp_indices``, or None (all).
+        comp_block_size: entries per compressed page (``256 // compress_ratio``).
+        out: optional ``[T, H, 512]`` bf16 output buffer (contiguous last dim).
+        lse: optional ``[T, H]`` float32 output buffer.
+
+    Returns:
+        ``(out, lse)``: ``[T, H, 512]`` bf16 and ``[T, H]`` float32 (lse
+        without the sink; ``-inf`` for a token with no valid key).
+
+    Raises:
+        ValueError: naming the argument, for a head size other than 512, H
+            outside 1..128, wrong dtypes, ranks, devices or shapes, a page
+            stride smaller than a page or inner strides other than (584, 1),
+            compressed arguments given partly.
+    """
+    q = _check_q(q)
+    device = q.device
+    T = q.shape[0]
+    scale = _check_scale(scale)
+    check_positive_int("swa_block_size", swa_block_size)
+    a_stride = _check_page_cache("swa_cache", swa_cache, swa_block_size, device)
+    a_idx, a_lens = _check_rows("swa_indices", swa_indices, "swa_lens", swa_lens, T, device)
+    comp_given = [x is not None for x in (comp_cache, comp_indices, comp_block_size)]
+    if any(comp_given) and not all(comp_given):
+        raise ValueError(
+            "comp_cache, comp_indices and comp_block_size must be given together "
+            "(all None for SWA-only layers)"
+        )
+    if comp_lens is not None and comp_cache is None:
+        raise ValueError("comp_lens given without comp_cache / comp_indices")
+    b_stride = 0
+    b_idx = b_lens = None
+    if comp_cache is not None:
+        check_positive_int("comp_block_size", comp_block_size)
+        assert comp_block_size is not None
+        b_stride = _check_page_cache("comp_cache", comp_cache, comp_block_size, device)
+        b_idx, b_lens = _check_rows("comp_indices", comp_indices, "comp_lens", comp_lens, T, device)
+    sink, out, lse = _check_sink_and_outputs(q, attn_sink, out, lse)
+    if not use_triton(device):
+        from .reference import sparse_mla as ref
+
+        return ref.sparse_mla_paged(
+            q,
+            swa_cache,
+            a_idx,
+            a_lens,
+            scale,
+            swa_block_size=swa_block_size,
+            attn_sink=sink,
+            comp_cache=comp_cache,
+            comp_indices=b_idx,
+            comp_lens=b_lens,
+            comp_block_size=comp_block_size,
+            out=out,
+            lse=lse,
+        )
+    caches = [swa_cache] if comp_cache is None else [swa_cache, comp_cache]
+    aligned = all(c.data_ptr() % 16 == 0 for c in caches) and a_stride % 16 == 0
+    aligned = aligned and b_stride % 16 == 0
+    _launch(
+        q,
+        out,
+        lse,
+        sink,
+        a=(swa_cache, a_idx, a_lens, a_stride, swa_cache.shape[0] * swa_block_size),
+        a_slots=swa_block_size,
+        a_paged=True,
+        b=None
+        if comp_cache is None or b_idx is None
+        else (comp_cache, b_idx, b_lens, b_stride, comp_cache.shape[0] * (comp_block_size or 1)),
+        b_slots=comp_block_size or 1,
+        scale=scale,
+        aligned=aligned,
+    )
+    return out, lse
+
+
+def sparse_mla_workspace(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    lens: torch.Tensor | None,
+    scale: float,
+    *,
+    attn_sink: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA with sink over a bf16 workspace (vLLM's current prefill inputs).
+
+    Same semantics as :func:`sparse_mla_paged`, with one key source.
+
+    Args:
+        q: ``[T, H, 512]`` bf16, ``1 <= H <= 128``.
+        kv: ``[N, 512]`` (or ``[N, 1, 512]``, as vLLM passes FlashMLA) bf16
+            workspace rows, contiguous in the last dimension.
+        indices: ``[T, K]`` int32 rows of ``kv``; ``-1`` (any negative) is a
+            hole, rows ``>= N`` are holes too.
+        lens: ``[T]`` int32 lengths (only the first ``lens[t]`` columns
+            count), or None for all ``K``.
+        scale, attn_sink, out, lse: as in :func:`sparse_mla_paged`.
+
+    Returns:
+        ``(out, lse)``: ``[T, H, 512]`` bf16 and ``[T, H]`` float32.
+    """
+    q = _check_q(q)
+    device = q.device
+    T = q.shape[0]
+    scale = _check_scale(scale)
+    rows = check_tensor("kv", kv, dtype=torch.bfloat16, ndim=(2, 3), device=device)
+    if rows.dim() == 3:
+        if rows.shape[1] != 1:
+            raise ValueError(f"a 3-D kv must be [N, 1, {HEAD_DIM}], got shape {tuple(rows.shape)}")
+        rows = rows[:, 0]
+    if rows.shape[1] != HEAD_DIM:
+        raise ValueError(f"kv must be [N, {HEAD_DIM}] bf16, got shape {tuple(kv.shape)}")
+    if rows.stride(1) != 1:
+        raise ValueError("kv must be contiguous in its last dimension")
+    idx, ln = _check_rows("indices", indices, "lens", lens, T, device)
+    sink, out, lse = _check_sink_and_outputs(q, attn_sink, out, lse)
+    if not use_triton(device):
+        from .reference import sparse_mla as ref
+
+        return ref.sparse_mla_workspace(q, rows, idx, ln, scale, attn_sink=sink, out=out, lse=lse)
+    row_stride = rows.stride(0) if rows.shape[0] > 1 else HEAD_DIM
+    _launch(
+        q,
+        out,
+        lse,
+        sink,
+        a=(rows, idx, ln, row_stride, rows.shape[0]),
+        a_slots=1,
+        a_paged=False,
+        b=None,
+        b_slots=1,
+        scale=scale,
+        aligned=False,
+    )
+    return out, lse
+
+
+_Src = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]
+
+
+def _launch(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    sink: torch.Tensor | None,
+    *,
+    a: _Src,
+    a_slots: int,
+    a_paged: bool,
+    b: _Src | None,
+    b_slots: int,
+    scale: float,
+    aligned: bool,
+    max_block_h: int = MAX_BLOCK_H,
+    block_n: int = BLOCK_N,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+) -> None:
+    """Launch the kernel (inputs already validated).  Tile knobs are for sweeps."""
+    T, H, _ = q.shape
+    if T == 0:
+        return
+    block_h = _block_h(H, max_block_h)
+    head_blocks = triton.cdiv(H, block_h)
+    a_src, a_idx, a_lens, a_stride, a_rows = a
+    b_src, b_idx, b_lens, b_stride, b_rows = b if b is not None else (a_src, a_idx, None, 0, 0)
+    grid = (T * head_blocks,)
+    _k._sparse_mla_kernel[grid](
+        q,
+        out,
+        lse,
+        sink if sink is not None else lse,
+        a_src,
+        a_idx,
+        a_lens if a_lens is not None else a_idx,
+        b_src,
+        b_idx,
+        b_lens if b_lens is not None else b_idx,
+        T,
+        H,
+        a_idx.stride(0),
+        a_idx.shape[1],
+        a_stride,
+        a_rows,
+        b_idx.stride(0),
+        b_idx.shape[1],
+        b_stride,
+        b_rows,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        scale * _LOG2E,
+        A_SLOTS=a_slots,
+        A_PAGED=a_paged,
+        A_HAS_LENS=a_lens is not None,
+        HAS_B=b is not None,
+        B_SLOTS=b_slots,
+        B_HAS_LENS=b_lens is not None,
+        HAS_SINK=sink is not None,
+        ALIGNED=aligned,
+        **_LAYOUT,
+        HEAD_BLOCKS=head_blocks,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        DOT_FP32=interpreter_enabled(),
+        NUM_STAGES=num_stages,
+        num_warps=num_warps,
+    )
