@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 from _process import group_alive
 
-from dsv4_presets.compare import cli, report, runner
+from dsv4_presets import local_http
+from dsv4_presets.bench import bench_verdict
+from dsv4_presets.compare import cli, process, report, rundir, runner
 from dsv4_presets.compare.spec import parse_spec, plan_runs
 
 # ---------------------------------------------------------------------------
@@ -108,7 +110,7 @@ def _write_campaign(out: Path, runs: list[tuple[str, str, dict[str, Any] | None,
         result: dict[str, Any] = {"label": label, "variant": variant, "status": status}
         if bench is not None:
             (d / "bench.json").write_text(json.dumps(bench))
-            result["metrics"] = runner.read_bench_metrics(bench)
+            result["metrics"] = rundir.read_bench_metrics(bench)
         result["reason"] = None if status == "ok" else "health timeout: constructed"
         (d / "result.json").write_text(json.dumps(result))
     manifest = {
@@ -213,11 +215,11 @@ def test_per_request_tpot_matches_vllm_definition() -> None:
 
 
 def test_bench_failure_rules() -> None:
-    assert runner.bench_failure({"completed": 8, "failed": 0}, 8) is None
-    why = runner.bench_failure({"completed": 6, "failed": 2, "errors": ["", "HTTP 500"]}, 8)
+    assert bench_verdict({"completed": 8, "failed": 0}, 8) is None
+    why = bench_verdict({"completed": 6, "failed": 2, "errors": ["", "HTTP 500"]}, 8)
     assert why is not None and "2 of 8 requests failed" in why and "HTTP 500" in why
-    assert "only 5 of 8" in (runner.bench_failure({"completed": 5, "failed": 0}, 8) or "")
-    assert "no 'completed'" in (runner.bench_failure({}, 8) or "")
+    assert "only 5 of 8" in (bench_verdict({"completed": 5, "failed": 0}, 8) or "")
+    assert "no 'completed'" in (bench_verdict({}, 8) or "")
 
 
 def test_report_only_needs_a_campaign(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -234,7 +236,7 @@ def test_report_only_needs_a_campaign(tmp_path: Path, capsys: pytest.CaptureFixt
 def test_stop_process_group_stops_children(tmp_path: Path) -> None:
     proc = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
     time.sleep(0.3)
-    info = runner.stop_process_group(proc, grace=10)
+    info = process.stop_process_group(proc, grace=10)
     assert info["stopped_by"] == "SIGTERM"
     assert not group_alive(proc.pid)
 
@@ -245,7 +247,7 @@ def test_stop_process_group_kills_after_grace(tmp_path: Path) -> None:
     )
     time.sleep(0.3)
     t0 = time.monotonic()
-    info = runner.stop_process_group(proc, grace=1.0)
+    info = process.stop_process_group(proc, grace=1.0)
     assert info["stopped_by"] == "SIGKILL after grace"
     assert time.monotonic() - t0 >= 1.0
     assert not group_alive(proc.pid)
@@ -257,21 +259,21 @@ def test_kill_orphan_only_touches_the_recorded_process(tmp_path: Path) -> None:
     proc = subprocess.Popen(argv, start_new_session=True)
     try:
         time.sleep(0.3)
-        start = runner.process_start_time(proc.pid)
+        start = process.process_start_time(proc.pid)
         assert start is not None and start.isdigit()
         wrong = tmp_path / "wrong.pid"
         # Same PID but another start time: a reused PID, never signalled.
         wrong.write_text(json.dumps({"pid": proc.pid, "start_time": str(int(start) + 1)}))
-        assert runner.kill_orphan(wrong, grace=5) is None
+        assert process.kill_orphan(wrong, grace=5) is None
         assert proc.poll() is None
         right = tmp_path / "right.pid"
         right.write_text(json.dumps({"pid": proc.pid, "start_time": start, "argv": argv}))
-        what = runner.kill_orphan(right, grace=5)
+        what = process.kill_orphan(right, grace=5)
         assert what is not None and str(proc.pid) in what
         proc.wait(timeout=10)
         assert not group_alive(proc.pid)
         # Nothing left to do the second time.
-        assert runner.kill_orphan(right, grace=5) is None
+        assert process.kill_orphan(right, grace=5) is None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -281,14 +283,14 @@ def test_kill_orphan_only_touches_the_recorded_process(tmp_path: Path) -> None:
 def test_free_port_is_bindable() -> None:
     import socket
 
-    port = runner.free_port("127.0.0.1")
+    port = process.free_port("127.0.0.1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
 
 
 def test_recorded_environment_drops_credentials() -> None:
     env = {"VLLM_X": "1", "HF_TOKEN": "secret", "DSV4_KERNELS_DISABLE": "1", "HOME": "/root"}
-    assert runner.recorded_environment(env) == {"DSV4_KERNELS_DISABLE": "1", "VLLM_X": "1"}
+    assert rundir.recorded_environment(env) == {"DSV4_KERNELS_DISABLE": "1", "VLLM_X": "1"}
 
 
 # ---------------------------------------------------------------------------
@@ -529,15 +531,15 @@ def test_http_helpers_talk_to_a_local_server_despite_a_proxy(
         monkeypatch.delenv("no_proxy", raising=False)
         monkeypatch.delenv("NO_PROXY", raising=False)
         base = f"http://127.0.0.1:{server.server_address[1]}"
-        assert runner.http_get(base + "/health", timeout=5) == (200, b"ok")
-        assert runner.http_get(base + "/other", timeout=5)[0] == 503
-        status, body = runner.http_post_json(base + "/v1/completions", {"x": 1}, timeout=5)
+        assert local_http.get(base + "/health", timeout=5) == (200, b"ok")
+        assert local_http.get(base + "/other", timeout=5)[0] == 503
+        status, body = local_http.post_json(base + "/v1/completions", {"x": 1}, timeout=5)
         assert status == 200 and json.loads(body) == {"x": 1}
     finally:
         server.shutdown()
         server.server_close()
     # Nothing listening: status 0, no exception.
-    assert runner.http_get(base + "/health", timeout=2)[0] == 0
+    assert local_http.get(base + "/health", timeout=2)[0] == 0
 
 
 def test_report_warns_when_tokens_arrive_in_bursts(tmp_path: Path) -> None:
@@ -591,7 +593,7 @@ def test_gpu_release_waits_for_memory_to_return(
     stuck = runner._Runner(campaign, Progress(1, live=False))._wait_gpu_release([1000, 700])
     assert stuck["checked"] and not stuck["released"]
     assert "not back to baseline" in stuck["note"]
-    assert runner.gpu_memory_used_mib() == [50000, 50000]
+    assert process.gpu_memory_used_mib() == [50000, 50000]
 
 
 def test_gpu_release_skipped_without_nvidia_smi(
@@ -600,7 +602,7 @@ def test_gpu_release_skipped_without_nvidia_smi(
     from dsv4_presets.compare.progress import Progress
 
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert runner.gpu_memory_used_mib() is None
+    assert process.gpu_memory_used_mib() is None
     campaign = _campaign(tmp_path / "camp", ("true",), ("true",))
     got = runner._Runner(campaign, Progress(1, live=False))._wait_gpu_release(None)
     assert got == {"checked": False, "note": "nvidia-smi not found: no GPU memory to wait for"}

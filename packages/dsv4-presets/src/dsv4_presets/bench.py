@@ -1,21 +1,22 @@
 """Running ``vllm bench serve`` with a bench preset, and judging the result it saved.
 
 ``vllm bench serve`` exits 0 even when every request failed, so the saved
-JSON is the only trustworthy verdict: :func:`read_bench_result` fails unless
-every prompt completed and none failed.
+JSON is the only trustworthy verdict: :func:`bench_verdict` (the one judgement,
+shared with ``dsv4 compare``) accepts a result only when every prompt
+completed and none failed.  The server is asked which model it serves through
+:mod:`dsv4_presets.local_http`, never through an HTTP proxy.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from dsv4_presets.presets import BenchConfig
+from dsv4_presets import local_http
+from dsv4_presets.configs import BenchConfig
 from dsv4_presets.vllm_exec import vllm_command
 
 # Headline metrics `dsv4 bench` prints, with their units.
@@ -37,17 +38,46 @@ class BenchResultError(RuntimeError):
     """The benchmark did not produce a complete, failure-free result."""
 
 
-def read_bench_result(path: str | Path, *, expected_prompts: int) -> dict[str, Any]:
-    """Load a ``vllm bench serve --save-result`` JSON file and check it is complete.
-
-    Raises :class:`BenchResultError` when the file is missing or unreadable,
-    when any request failed, or when fewer than ``expected_prompts`` requests
-    completed.
-    """
+def _check_expected(expected_prompts: int) -> None:
     if isinstance(expected_prompts, bool) or not isinstance(expected_prompts, int):
         raise ValueError(f"expected_prompts must be an int, got {expected_prompts!r}")
     if expected_prompts < 1:
         raise ValueError(f"expected_prompts must be positive, got {expected_prompts}")
+
+
+def bench_verdict(data: Mapping[str, Any], expected_prompts: int) -> str | None:
+    """Why a ``vllm bench serve`` result cannot be used, or ``None`` when it can.
+
+    The one judgement of a bench JSON, used by ``dsv4 bench`` and
+    ``dsv4 compare`` alike.  Both counts are out of ``expected_prompts``, the
+    requests the preset sends (warm-ups excluded): a result is usable when no
+    request failed and every one of them completed.
+    """
+    _check_expected(expected_prompts)
+    completed = data.get("completed")
+    failed = data.get("failed", 0)
+    if isinstance(completed, bool) or not isinstance(completed, int):
+        return "the result has no 'completed' count"
+    problems = []
+    if isinstance(failed, int) and not isinstance(failed, bool) and failed > 0:
+        errors = [e for e in data.get("errors", []) or [] if e]
+        if errors:
+            first = f"; first error: {str(errors[0])[:300]}"
+        else:
+            first = " (the result keeps no per-request errors; --set save-detailed=true keeps them)"
+        problems.append(f"{failed} of {expected_prompts} requests failed{first}")
+    if completed < expected_prompts:
+        problems.append(f"only {completed} of {expected_prompts} requests completed")
+    return "; ".join(problems) if problems else None
+
+
+def read_bench_result(path: str | Path, *, expected_prompts: int) -> dict[str, Any]:
+    """Load a ``vllm bench serve --save-result`` JSON file and check it with :func:`bench_verdict`.
+
+    Raises :class:`BenchResultError` when the file is missing or unreadable,
+    or when the verdict is not clean.
+    """
+    _check_expected(expected_prompts)
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -59,22 +89,9 @@ def read_bench_result(path: str | Path, *, expected_prompts: int) -> dict[str, A
         raise BenchResultError(f"cannot read benchmark result {path}: {exc}") from None
     if not isinstance(data, Mapping):
         raise BenchResultError(f"benchmark result {path} is not a JSON object")
-    completed = data.get("completed")
-    failed = data.get("failed", 0)
-    if not isinstance(completed, int):
-        raise BenchResultError(f"benchmark result {path} has no 'completed' count")
-    problems = []
-    if isinstance(failed, int) and failed > 0:
-        errors = [e for e in data.get("errors", []) or [] if e]
-        if errors:
-            first = f"; first error: {str(errors[0])[:300]}"
-        else:
-            first = " (the result keeps no per-request errors; --set save-detailed=true keeps them)"
-        problems.append(f"{failed} of {expected_prompts} requests failed{first}")
-    if completed < expected_prompts:
-        problems.append(f"only {completed} of {expected_prompts} requests completed")
-    if problems:
-        raise BenchResultError(f"benchmark result {path}: " + "; ".join(problems))
+    why = bench_verdict(data, expected_prompts)
+    if why is not None:
+        raise BenchResultError(f"benchmark result {path}: {why}")
     return dict(data)
 
 
@@ -93,9 +110,8 @@ def served_model(base_url: str, *, timeout: float = 10.0) -> str:
     """The first model id the OpenAI-compatible server at ``base_url`` serves."""
     url = base_url.rstrip("/") + "/v1/models"
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            data = json.loads(response.read().decode("utf-8"))
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+        data = local_http.get_json(url, timeout=timeout)
+    except (OSError, ValueError) as exc:
         raise BenchResultError(
             f"cannot ask {url} which model it serves ({exc}); pass --model"
         ) from None
@@ -113,7 +129,6 @@ def run_bench(
     result_dir: str,
     result_filename: str,
     tokenizer: str | None = None,
-    extra_env: Mapping[str, str] | None = None,
 ) -> tuple[int, Path]:
     """Run ``vllm bench serve``; returns its exit status and the result file's path."""
     argv = [
@@ -128,10 +143,5 @@ def run_bench(
             tokenizer=tokenizer,
         ),
     ]
-    import os
-
-    env = dict(os.environ)
-    if extra_env:
-        env.update(extra_env)
-    completed = subprocess.run(argv, env=env, check=False)
+    completed = subprocess.run(argv, check=False)
     return completed.returncode, Path(result_dir) / result_filename

@@ -17,34 +17,68 @@ what vLLM has no option for and is never passed to vLLM:
 ``dsv4.purpose``
     ``benchmark`` or ``production`` (benchmark presets keep prefix caching off).
 ``dsv4.hardware`` / ``dsv4.checkpoint``
-    facts the rules check against (GPU architecture, GPUs per node; attention
-    heads, FP8 weight block, speculative methods the weights support).
+    facts the rules check against (vendor, GPU architecture, GPUs per node;
+    attention heads, FP8 weight block, the drafter the checkpoint ships).
 ``dsv4.required``
     options the user must set (``--set data-parallel-address=10.0.0.1``),
     each with the text that explains it.
 ``dsv4.nodes``
-    for multi-node presets: one entry per node kind (``name``, ``description``,
-    ``args`` added on that node, ``setup`` shell lines to run first, ``serve:
-    false`` when the node runs no vLLM).
+    one entry per node kind of a multi-node preset, or per role of a
+    single-node split (``name``, ``description``, ``args`` and ``env`` added
+    on that node, ``setup`` shell lines to run first, ``serve: false`` when the
+    node runs no vLLM).
+``dsv4.same_host``
+    ``true`` when all ``nodes`` entries share one machine (a prefill/decode split).
+``dsv4.min_vllm``
+    the oldest vLLM release the preset works with (``dsv4 validate`` checks it).
 
 Later layers override earlier ones key by key; mappings (``speculative-config``,
-``env``) merge key by key; a ``null`` value removes the key.
+``env``) merge key by key; a ``null`` value removes the key
+(:func:`dsv4_presets.configs.merge_options`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from dsv4_presets.schema import config_value, render_option, shipped_table
+from dsv4_presets.configs import (
+    ARG_ORDER,
+    BENCH_ORDER,
+    BenchConfig,
+    NodeSpec,
+    Override,
+    PresetError,
+    ServeConfig,
+    apply_overrides,
+    canonical_bool,
+    merge_options,
+)
+
+__all__ = [
+    "ARG_ORDER",
+    "BENCH_ORDER",
+    "BenchConfig",
+    "NodeSpec",
+    "PresetError",
+    "PresetInfo",
+    "ServeConfig",
+    "bench_preset_names",
+    "layer_names",
+    "list_presets",
+    "parse_set",
+    "preset_kind",
+    "resolve_bench",
+    "resolve_serve",
+    "serve_preset_names",
+]
 
 META_KEY = "dsv4"
 META_FIELDS = (
@@ -56,33 +90,13 @@ META_FIELDS = (
     "checkpoint",
     "required",
     "nodes",
+    "same_host",
+    "min_vllm",
 )
 PURPOSES = ("benchmark", "production")
-NODE_FIELDS = ("name", "description", "args", "setup", "serve")
-
-# Rendering order: options are grouped by topic so that renderings of different
-# presets line up; options not listed follow in the order the layers set them.
-ARG_ORDER = (
-    "trust-remote-code",
-    "kv-cache-dtype",
-    "block-size",
-    "headless",
-    "enable-expert-parallel",
-    "tensor-parallel-size",
-    "pipeline-parallel-size",
-    "data-parallel-size",
-    "data-parallel-size-local",
-    "data-parallel-start-rank",
-    "data-parallel-address",
-    "data-parallel-rpc-port",
-    "data-parallel-backend",
-    "tokenizer-mode",
-    "tool-call-parser",
-    "enable-auto-tool-choice",
-    "reasoning-parser",
-    "enable-prefix-caching",
-    "max-num-batched-tokens",
-)
+NODE_FIELDS = ("name", "description", "args", "env", "setup", "serve")
+KINDS = ("serve", "bench", "layers")
+_LABELS = {"serve": "preset", "bench": "bench preset", "layers": "layer"}
 
 # Options of `vllm bench serve` that `dsv4 bench` always sets itself.
 BENCH_MANAGED = (
@@ -96,47 +110,35 @@ BENCH_MANAGED = (
     "result-dir",
     "result-filename",
 )
-BENCH_ORDER = (
-    "backend",
-    "dataset-name",
-    "random-input-len",
-    "random-output-len",
-    "num-prompts",
-    "num-warmups",
-    "request-rate",
-    "ignore-eos",
-    "temperature",
-    "seed",
-)
-
-
-class PresetError(ValueError):
-    """A preset cannot be loaded or resolved (bad file, unknown name, bad ``--set``)."""
 
 
 # --------------------------------------------------------------------------- #
-# Files
+# Files: package data is read once per process
 # --------------------------------------------------------------------------- #
 
 
-def _data_dir() -> Any:
-    return resources.files("dsv4_presets").joinpath("data")
+@cache
+def _shipped_texts() -> dict[str, dict[str, str]]:
+    """Every shipped YAML file by kind (``serve``, ``bench``, ``layers``) and name."""
+    root = resources.files("dsv4_presets").joinpath("data")
+    out: dict[str, dict[str, str]] = {}
+    for kind in KINDS:
+        found: dict[str, str] = {}
+
+        def walk(node: Any, prefix: str, found: dict[str, str] = found) -> None:
+            for child in node.iterdir():
+                if child.is_dir():
+                    walk(child, f"{prefix}{child.name}/")
+                elif child.name.endswith(".yaml"):
+                    found[prefix + child.name[: -len(".yaml")]] = child.read_text(encoding="utf-8")
+
+        walk(root.joinpath(kind), "")
+        out[kind] = dict(sorted(found.items()))
+    return out
 
 
-def _shipped(kind: str) -> dict[str, Any]:
-    """Shipped preset files of ``kind`` (``serve``, ``bench`` or ``layers``), by name."""
-    root = _data_dir().joinpath(kind)
-    found: dict[str, Any] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        for child in node.iterdir():
-            if child.is_dir():
-                walk(child, f"{prefix}{child.name}/")
-            elif child.name.endswith(".yaml"):
-                found[prefix + child.name[: -len(".yaml")]] = child
-
-    walk(root, "")
-    return dict(sorted(found.items()))
+def _shipped(kind: str) -> dict[str, str]:
+    return _shipped_texts()[kind]
 
 
 def serve_preset_names() -> list[str]:
@@ -160,13 +162,15 @@ class _File:
 
     source: str
     """Where it came from: ``layer checkpoint/v4-flash``, ``preset h200-tp8-ep`` or a path."""
+    name: str
+    """The shipped name, or the file's stem."""
     directory: Path | None
     """Folder of a user file (for relative ``extends``); ``None`` for shipped files."""
     args: dict[str, Any]
     meta: dict[str, Any]
 
 
-def _parse(text: str, source: str, directory: Path | None) -> _File:
+def _parse(text: str, source: str, name: str, directory: Path | None) -> _File:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -194,85 +198,52 @@ def _parse(text: str, source: str, directory: Path | None) -> _File:
                     )
             meta = dict(value)
         else:
-            name = key[2:] if key.startswith("--") else key
-            name, value = _canonical_bool(name.replace("_", "-"), value)
-            args[name] = value
-    return _File(source=source, directory=directory, args=args, meta=meta)
-
-
-def _is_bool_option(name: str) -> bool:
-    return any(
-        (spec := shipped_table(command).get(name)) is not None and spec.kind == "bool"
-        for command in ("serve", "bench")
-    )
-
-
-def _canonical_bool(name: str, value: Any) -> tuple[str, Any]:
-    """``no-enable-prefix-caching: true`` is read as ``enable-prefix-caching: false``."""
-    if name.startswith("no-") and isinstance(value, bool) and _is_bool_option(name[3:]):
-        return name[3:], not value
-    return name, value
-
-
-def _read_shipped(kind: str, name: str) -> _File:
-    entry = _shipped(kind)[name]
-    label = {"serve": "preset", "bench": "bench preset", "layers": "layer"}[kind]
-    return _parse(entry.read_text(encoding="utf-8"), f"{label} {name}", None)
-
-
-def _read_path(path: Path) -> _File:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PresetError(f"cannot read preset file {str(path)!r}: {exc.strerror}") from None
-    return _parse(text, str(path), path.resolve().parent)
+            option = key[2:] if key.startswith("--") else key
+            option, value = canonical_bool(option.replace("_", "-"), value)
+            args[option] = value
+    return _File(source=source, name=name, directory=directory, args=args, meta=meta)
 
 
 def _looks_like_path(name: str) -> bool:
     return name.endswith((".yaml", ".yml")) or (os.sep in name and Path(name).exists())
 
 
-def _find(name: str, *, relative_to: Path | None, kinds: Sequence[str]) -> _File:
-    """Look ``name`` up as a shipped layer/preset of ``kinds``, then as a file."""
+def _lookup(
+    name: str, *, kinds: Sequence[str], relative_to: Path | None = None, what: str = "preset"
+) -> _File:
+    """The one lookup: a shipped file of ``kinds`` by name, else a YAML file by path.
+
+    Paths are tried relative to ``relative_to`` (the including file's folder)
+    first, then as given.
+    """
     if not isinstance(name, str) or not name:
-        raise PresetError(f"a preset or layer name must be a non-empty string, got {name!r}")
+        raise PresetError(f"a {what} name must be a non-empty string, got {name!r}")
     for kind in kinds:
-        if name in _shipped(kind):
-            return _read_shipped(kind, name)
-    candidates = []
-    if relative_to is not None:
-        candidates.append(relative_to / name)
+        text = _shipped(kind).get(name)
+        if text is not None:
+            return _parse(text, f"{_LABELS[kind]} {name}", name, None)
+    candidates = [relative_to / name] if relative_to is not None else []
     candidates.append(Path(name))
     for path in candidates:
         if path.is_file():
-            return _read_path(path)
+            try:
+                text = path.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise PresetError(
+                    f"cannot read preset file {str(path)!r}: {exc.strerror}"
+                ) from None
+            return _parse(text, str(path), path.stem, path.resolve().parent)
     shipped = ", ".join(n for kind in kinds for n in _shipped(kind))
+    hint = " (no such file)" if _looks_like_path(name) else ""
     raise PresetError(
-        f"unknown preset or layer {name!r}: not a shipped one ({shipped}) and no file "
-        f"{' or '.join(repr(str(p)) for p in candidates)}"
+        f"unknown {what} {name!r}{hint}: give a shipped one ({shipped}) or the path "
+        f"of a YAML file (tried {' and '.join(repr(str(p)) for p in candidates)})"
     )
 
 
 # --------------------------------------------------------------------------- #
-# Merging
+# Layering
 # --------------------------------------------------------------------------- #
-
-
-def _merge_into(target: dict[str, Any], update: Mapping[str, Any]) -> None:
-    """Apply ``update`` over ``target``: mappings merge, ``None`` deletes, others replace."""
-    for key, value in update.items():
-        if value is None:
-            target.pop(key, None)
-        elif isinstance(value, Mapping) and isinstance(target.get(key), dict):
-            merged = dict(target[key])
-            _merge_into(merged, value)
-            target[key] = merged
-        elif isinstance(value, Mapping):
-            fresh: dict[str, Any] = {}
-            _merge_into(fresh, value)
-            target[key] = fresh
-        else:
-            target[key] = value
 
 
 @dataclass
@@ -299,12 +270,10 @@ def _apply(file: _File, out: _Resolved, stack: tuple[str, ...], kinds: Sequence[
         chain = " -> ".join((*stack, file.source))
         raise PresetError(f"'{META_KEY}.extends' forms a cycle: {chain}")
     for parent in _as_list(file.meta.get("extends"), f"{file.source}: {META_KEY}.extends"):
-        _apply(
-            _find(parent, relative_to=file.directory, kinds=kinds),
-            out,
-            (*stack, file.source),
-            kinds,
+        parent_file = _lookup(
+            parent, kinds=kinds, relative_to=file.directory, what="preset or layer"
         )
+        _apply(parent_file, out, (*stack, file.source), kinds)
     out.sources.append(file.source)
     args = dict(file.args)
     if "model" in args:
@@ -312,12 +281,12 @@ def _apply(file: _File, out: _Resolved, stack: tuple[str, ...], kinds: Sequence[
         if model is not None and not isinstance(model, str):
             raise PresetError(f"{file.source}: 'model' must be a string, got {model!r}")
         out.model = model
-    _merge_into(out.args, args)
+    merge_options(out.args, args)
     env = file.meta.get("env")
     if env is not None:
         if not isinstance(env, dict):
             raise PresetError(f"{file.source}: '{META_KEY}.env' must be a mapping, got {env!r}")
-        _merge_into(out.env, env)
+        merge_options(out.env, env)
     for key, value in file.meta.items():
         if key in ("extends", "env"):
             continue
@@ -329,14 +298,13 @@ def _apply(file: _File, out: _Resolved, stack: tuple[str, ...], kinds: Sequence[
                     f"{file.source}: '{META_KEY}.required' must map option names to "
                     f"explanations, got {value!r}"
                 )
-            out.meta.setdefault("required", {})
-            out.meta["required"] = {**out.meta["required"], **value}
+            out.meta["required"] = {**out.meta.get("required", {}), **value}
         else:
             out.meta[key] = value
 
 
 # --------------------------------------------------------------------------- #
-# --set overrides
+# --set overrides: parsed once, here
 # --------------------------------------------------------------------------- #
 
 
@@ -367,201 +335,41 @@ def parse_set(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def _apply_sets(out: _Resolved, sets: Sequence[str]) -> None:
+@dataclass(frozen=True)
+class _Sets:
+    """Parsed ``--set`` items: the model, environment changes and option overrides."""
+
+    model: str | None = None
+    env: tuple[tuple[str, Any], ...] = ()
+    options: tuple[Override, ...] = ()
+
+
+def _parse_sets(sets: Sequence[str]) -> _Sets:
     if isinstance(sets, str):
         raise PresetError(
             f"sets must be a sequence of 'key=value' strings, got the string {sets!r}"
         )
+    model: str | None = None
+    env: list[tuple[str, Any]] = []
+    options: list[Override] = []
     for item in sets:
         parts, value = parse_set(item)
         if parts[0] == "env":
             if len(parts) != 2:
                 raise PresetError(f"--set {item!r}: use env.NAME=value")
-            if value is None:
-                out.env.pop(parts[1], None)
-            else:
-                out.env[parts[1]] = value
-            continue
-        if parts == ["model"]:
+            env.append((parts[1], value))
+        elif parts == ["model"]:
             if not isinstance(value, str) or not value:
                 raise PresetError(f"--set model=...: expected a model name or path, got {value!r}")
-            out.model = value
-            continue
-        nested: Any = value
-        for part in reversed(parts[1:]):
-            nested = {part: nested}
-        _merge_into(out.args, {parts[0]: nested})
+            model = value
+        else:
+            options.append((tuple(parts), value))
+    return _Sets(model=model, env=tuple(env), options=tuple(options))
 
 
 # --------------------------------------------------------------------------- #
 # Serve presets
 # --------------------------------------------------------------------------- #
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """One kind of node in a multi-node preset."""
-
-    name: str
-    description: str = ""
-    args: dict[str, Any] = field(default_factory=dict)
-    """Options added (or overridden) on this node."""
-    setup: tuple[str, ...] = ()
-    """Shell lines to run on this node before vLLM (``{option-name}`` is filled in)."""
-    serve: bool = True
-    """False for nodes that run no vLLM process themselves (Ray workers)."""
-
-
-def _env_text(value: Any) -> str:
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    return str(value)
-
-
-def _order(keys: Iterable[str], order: Sequence[str]) -> list[str]:
-    keys = list(keys)
-    rank = {name: i for i, name in enumerate(order)}
-    known = sorted((k for k in keys if k in rank), key=rank.__getitem__)
-    return known + [k for k in keys if k not in rank]
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """A resolved ``vllm serve`` launch: model, options and environment.
-
-    ``args`` maps vLLM option names (dashed, no leading ``--``) to YAML values,
-    for the selected ``node`` of a multi-node preset (the first node unless
-    another was asked for).
-    """
-
-    name: str
-    model: str
-    args: dict[str, Any]
-    env: dict[str, str]
-    description: str = ""
-    sources: tuple[str, ...] = ()
-    """The files applied, first to last."""
-    purpose: str | None = None
-    hardware: dict[str, Any] = field(default_factory=dict)
-    checkpoint: dict[str, Any] = field(default_factory=dict)
-    required: dict[str, str] = field(default_factory=dict)
-    nodes: tuple[NodeSpec, ...] = ()
-    node: str | None = None
-    common_args: dict[str, Any] = field(default_factory=dict, repr=False)
-    set_args: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def node_names(self) -> list[str]:
-        """Names of the nodes of a multi-node preset (empty for single-node presets)."""
-        return [n.name for n in self.nodes]
-
-    @property
-    def node_spec(self) -> NodeSpec | None:
-        """The selected node, or ``None`` for single-node presets."""
-        for spec in self.nodes:
-            if spec.name == self.node:
-                return spec
-        return None
-
-    def for_node(self, node: str) -> ServeConfig:
-        """The same preset for another node of a multi-node preset."""
-        if not self.nodes:
-            raise PresetError(f"preset {self.name!r} is single-node; it has no node {node!r}")
-        for spec in self.nodes:
-            if spec.name == node:
-                args = dict(self.common_args)
-                _merge_into(args, spec.args)
-                _merge_into(args, self.set_args)
-                return dataclasses.replace(self, node=node, args=args)
-        raise PresetError(
-            f"preset {self.name!r} has no node {node!r}; its nodes are: "
-            f"{', '.join(self.node_names)}"
-        )
-
-    def ordered_args(self) -> list[tuple[str, Any]]:
-        """``args`` in rendering order."""
-        return [(key, self.args[key]) for key in _order(self.args, ARG_ORDER)]
-
-    def to_argv(self) -> list[str]:
-        """Everything after ``vllm serve``: the model, then the options."""
-        table = shipped_table("serve")
-        argv = [self.model]
-        for key, value in self.ordered_args():
-            argv += render_option(key, value, table.get(key))
-        return argv
-
-    def to_config(self) -> dict[str, Any]:
-        """A mapping for ``vllm serve --config`` (the model included as ``model``)."""
-        data: dict[str, Any] = {"model": self.model}
-        for key, value in self.ordered_args():
-            key, value = _config_bool(key, value)
-            data[key] = config_value(value)
-        return data
-
-    def to_config_yaml(self) -> str:
-        """:meth:`to_config` as YAML text, with a header naming the preset."""
-        where = f" (node {self.node})" if self.node else ""
-        header = (
-            f"# dsv4 preset {self.name}{where}: vllm serve --config this-file.yaml\n"
-            "# Generated by `dsv4 render --format config`; keys are vLLM option names.\n"
-        )
-        return header + yaml.safe_dump(self.to_config(), sort_keys=False, width=100)
-
-    def env_strings(self) -> dict[str, str]:
-        """The environment variables as strings (booleans become 1/0)."""
-        return {key: _env_text(value) for key, value in self.env.items()}
-
-    def to_env_file(self) -> str:
-        """An environment file: the preset's variables plus DSV4_MODEL and DSV4_VLLM_ARGS.
-
-        It is valid for ``set -a; . ./file; set +a`` and systemd's
-        ``EnvironmentFile=``; run vLLM with
-        ``eval "vllm serve \\"$DSV4_MODEL\\" $DSV4_VLLM_ARGS"``.
-        """
-        where = f" (node {self.node})" if self.node else ""
-        lines = [
-            f"# dsv4 preset {self.name}{where}",
-            "# use: set -a; . ./this.env; set +a; "
-            'eval "vllm serve \\"$DSV4_MODEL\\" $DSV4_VLLM_ARGS"',
-        ]
-        for key, value in self.env_strings().items():
-            lines.append(f"{key}={shlex.quote(value)}")
-        lines.append(f"DSV4_PRESET={shlex.quote(self.name)}")
-        lines.append(f"DSV4_MODEL={shlex.quote(self.model)}")
-        args = shlex.join(self.to_argv()[1:])
-        lines.append(f"DSV4_VLLM_ARGS={shlex.quote(args)}")
-        return "\n".join(lines) + "\n"
-
-    def setup_lines(self) -> list[str]:
-        """The selected node's setup shell lines with ``{option}`` filled in."""
-        spec = self.node_spec
-        if spec is None:
-            return []
-        values = {key: str(value) for key, value in self.args.items()}
-        out = []
-        for line in spec.setup:
-            try:
-                out.append(line.format(**values))
-            except (KeyError, IndexError) as exc:
-                raise PresetError(
-                    f"preset {self.name!r}, node {spec.name!r}: setup line {line!r} names "
-                    f"{exc}, which the preset does not set"
-                ) from None
-        return out
-
-
-def _config_bool(key: str, value: Any) -> tuple[str, Any]:
-    """Write ``key: false`` of a ``--x/--no-x`` option as ``no-key: true``.
-
-    vLLM's ``--config`` reader turns ``key: false`` into ``--no-key`` only when
-    the *top-level* parser knows ``--no-key``; under ``vllm serve`` it does not
-    (the option belongs to the ``serve`` subparser), so ``false`` is silently
-    dropped and vLLM's default (often ``true``) applies.  ``no-key: true`` is
-    read as the flag ``--no-key`` and always works.
-    """
-    if value is False and _is_bool_option(key):
-        return f"no-{key}", True
-    return key, value
 
 
 def _nodes(value: Any, source: str) -> tuple[NodeSpec, ...]:
@@ -582,6 +390,9 @@ def _nodes(value: Any, source: str) -> tuple[NodeSpec, ...]:
         args = entry.get("args") or {}
         if not isinstance(args, dict):
             raise PresetError(f"{where}.args: expected a mapping of options, got {args!r}")
+        env = entry.get("env") or {}
+        if not isinstance(env, dict):
+            raise PresetError(f"{where}.env: expected a mapping of variables, got {env!r}")
         setup = entry.get("setup") or []
         if not isinstance(setup, list) or not all(isinstance(s, str) for s in setup):
             raise PresetError(f"{where}.setup: expected a list of shell lines, got {setup!r}")
@@ -592,7 +403,8 @@ def _nodes(value: Any, source: str) -> tuple[NodeSpec, ...]:
             NodeSpec(
                 name=entry["name"],
                 description=str(entry.get("description", "")),
-                args={k.replace("_", "-"): v for k, v in args.items()},
+                args=dict(canonical_bool(k.replace("_", "-"), v) for k, v in args.items()),
+                env=dict(env),
                 setup=tuple(setup),
                 serve=serve,
             )
@@ -601,23 +413,6 @@ def _nodes(value: Any, source: str) -> tuple[NodeSpec, ...]:
     if len(set(names)) != len(names):
         raise PresetError(f"{source}: node names must be unique, got {names}")
     return tuple(specs)
-
-
-def _resolve_file(name_or_path: str, kinds: Sequence[str]) -> tuple[str, _File]:
-    if not isinstance(name_or_path, str) or not name_or_path:
-        raise PresetError(f"preset must be a name or a path, got {name_or_path!r}")
-    for kind in kinds:
-        if name_or_path in _shipped(kind):
-            return name_or_path, _read_shipped(kind, name_or_path)
-    path = Path(name_or_path)
-    if path.is_file():
-        return path.stem, _read_path(path)
-    shipped = ", ".join(n for kind in kinds for n in _shipped(kind))
-    hint = " (no such file)" if _looks_like_path(name_or_path) else ""
-    raise PresetError(
-        f"unknown preset {name_or_path!r}{hint}: give a shipped preset ({shipped}) "
-        "or the path of a YAML file"
-    )
 
 
 def resolve_serve(
@@ -630,32 +425,22 @@ def resolve_serve(
     """Resolve a shipped serve preset or a user YAML file to a :class:`ServeConfig`.
 
     ``model`` replaces the preset's model (a hub id or a local folder);
-    ``sets`` are ``key=value`` overrides applied last (see :func:`parse_set`);
-    ``node`` picks the node of a multi-node preset (default: its first node).
+    ``sets`` are ``key=value`` overrides applied last, on every node (see
+    :func:`parse_set`); ``node`` picks the node of a multi-node preset
+    (default: its first node).
     """
-    name, file = _resolve_file(name_or_path, ("serve",))
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise PresetError(f"preset must be a name or a path, got {name_or_path!r}")
+    file = _lookup(name_or_path, kinds=("serve",))
+    name = file.name
     out = _Resolved()
     _apply(file, out, (), ("layers", "serve"))
-    common_args = dict(out.args)
-    set_state = _Resolved()
-    _apply_sets(set_state, sets)
-    if set_state.model is not None:
-        out.model = set_state.model
-    _merge_into(out.env, set_state.env)
-    # Deletions requested by --set key=null must survive re-merging per node.
-    set_args: dict[str, Any] = {}
-    for item in sets:
-        parts, value = parse_set(item)
-        if parts[0] in ("env", "model"):
-            continue
-        nested: Any = value
-        for part in reversed(parts[1:]):
-            nested = {part: nested}
-        _merge_into_keep_none(set_args, {parts[0]: nested})
-    if model is not None:
-        if not isinstance(model, str) or not model:
-            raise PresetError(f"model must be a non-empty string, got {model!r}")
-        out.model = model
+    overrides = _parse_sets(sets)
+    for chosen in (overrides.model, model):
+        if chosen is not None:
+            if not isinstance(chosen, str) or not chosen:
+                raise PresetError(f"model must be a non-empty string, got {chosen!r}")
+            out.model = chosen
     if not out.model:
         raise PresetError(
             f"preset {name!r} names no model: add 'model: <hub id or path>' or pass --model"
@@ -669,12 +454,21 @@ def resolve_serve(
     for key in ("hardware", "checkpoint"):
         if key in meta and not isinstance(meta[key], dict):
             raise PresetError(f"preset {name!r}: '{META_KEY}.{key}' must be a mapping")
+    same_host = meta.get("same_host", False)
+    if not isinstance(same_host, bool):
+        raise PresetError(f"preset {name!r}: '{META_KEY}.same_host' must be true or false")
+    min_vllm = meta.get("min_vllm")
+    if min_vllm is not None and not isinstance(min_vllm, str):
+        raise PresetError(
+            f"preset {name!r}: '{META_KEY}.min_vllm' must be a quoted version such as "
+            f'"0.32.0", got {min_vllm!r}'
+        )
     nodes = _nodes(meta.get("nodes"), f"preset {name}")
     config = ServeConfig(
         name=name,
         model=out.model,
         args={},
-        env={key: _env_text(value) for key, value in out.env.items()},
+        env={},
         description=str(file.meta.get("description", "")),
         sources=tuple(out.sources),
         purpose=purpose,
@@ -682,25 +476,18 @@ def resolve_serve(
         checkpoint=dict(meta.get("checkpoint") or {}),
         required={str(k): str(v) for k, v in (meta.get("required") or {}).items()},
         nodes=nodes,
-        node=None,
-        common_args=common_args,
-        set_args=set_args,
+        same_host=same_host,
+        min_vllm=min_vllm,
+        common_args=dict(out.args),
+        common_env=dict(out.env),
+        overrides=overrides.options,
+        env_overrides=overrides.env,
     )
     if nodes:
         return config.for_node(node if node is not None else nodes[0].name)
     if node is not None:
         raise PresetError(f"preset {name!r} is single-node; --node {node!r} does not apply")
-    args = dict(common_args)
-    _merge_into(args, set_args)
-    return dataclasses.replace(config, args=args)
-
-
-def _merge_into_keep_none(target: dict[str, Any], update: Mapping[str, Any]) -> None:
-    for key, value in update.items():
-        if isinstance(value, Mapping) and isinstance(target.get(key), dict):
-            _merge_into_keep_none(target[key], value)
-        else:
-            target[key] = dict(value) if isinstance(value, Mapping) else value
+    return config.for_node(None)
 
 
 # --------------------------------------------------------------------------- #
@@ -708,118 +495,16 @@ def _merge_into_keep_none(target: dict[str, Any], update: Mapping[str, Any]) -> 
 # --------------------------------------------------------------------------- #
 
 
-@dataclass(frozen=True)
-class BenchConfig:
-    """A resolved ``vllm bench serve`` run (everything but the server and result file)."""
-
-    name: str
-    args: dict[str, Any]
-    description: str = ""
-    sources: tuple[str, ...] = ()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """The value of the ``vllm bench serve`` option ``key`` (dashed name)."""
-        return self.args.get(key.replace("_", "-"), default)
-
-    @property
-    def num_prompts(self) -> int:
-        """How many requests are measured (warm-ups not counted)."""
-        return int(self.args["num-prompts"])
-
-    @property
-    def num_warmups(self) -> int:
-        """Warm-up requests sent before measuring."""
-        return int(self.args.get("num-warmups", 0))
-
-    @property
-    def dataset_name(self) -> str | None:
-        """The dataset (``random`` for the seed's benchmark)."""
-        value = self.args.get("dataset-name")
-        return None if value is None else str(value)
-
-    @property
-    def input_len(self) -> int | None:
-        """Prompt length of the random dataset, in tokens."""
-        value = self.args.get("random-input-len")
-        return None if value is None else int(value)
-
-    @property
-    def output_len(self) -> int | None:
-        """Output length of the random dataset, in tokens."""
-        value = self.args.get("random-output-len")
-        return None if value is None else int(value)
-
-    @property
-    def seed(self) -> int | None:
-        """The dataset's random seed."""
-        value = self.args.get("seed")
-        return None if value is None else int(value)
-
-    @property
-    def request_rate(self) -> float:
-        """Requests per second (``inf`` sends them all at once)."""
-        value = self.args.get("request-rate", "inf")
-        return float(value)
-
-    def ordered_args(self) -> list[tuple[str, Any]]:
-        """``args`` in rendering order."""
-        return [(key, self.args[key]) for key in _order(self.args, BENCH_ORDER)]
-
-    def to_argv(
-        self,
-        *,
-        base_url: str,
-        model: str,
-        result_dir: str,
-        result_filename: str,
-        tokenizer: str | None = None,
-    ) -> list[str]:
-        """Everything after ``vllm bench serve``; the result is always saved to a named file."""
-        for label, value in (
-            ("base_url", base_url),
-            ("model", model),
-            ("result_dir", result_dir),
-            ("result_filename", result_filename),
-        ):
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"{label} must be a non-empty string, got {value!r}")
-        if os.sep in result_filename or "/" in result_filename:
-            raise ValueError(
-                f"result_filename must be a bare file name (put folders in result_dir), "
-                f"got {result_filename!r}"
-            )
-        table = shipped_table("bench")
-        argv: list[str] = []
-        items = self.ordered_args()
-        # --backend first, like the seed's command, then where and what to measure.
-        for key, value in items:
-            if key == "backend":
-                argv += render_option(key, value, table.get(key))
-        argv += ["--base-url", base_url, "--model", model]
-        if tokenizer is not None:
-            argv += ["--tokenizer", tokenizer]
-        for key, value in items:
-            if key != "backend":
-                argv += render_option(key, value, table.get(key))
-        argv += ["--save-result", "--result-dir", result_dir, "--result-filename", result_filename]
-        return argv
-
-    def to_config(self) -> dict[str, Any]:
-        """A mapping usable as ``vllm bench serve --config`` (without server and result file)."""
-        data: dict[str, Any] = {}
-        for key, value in self.ordered_args():
-            key, value = _config_bool(key, value)
-            data[key] = config_value(value)
-        return data
-
-
 def resolve_bench(name_or_path: str, *, sets: Sequence[str] = ()) -> BenchConfig:
     """Resolve a shipped bench preset or a YAML file of ``vllm bench serve`` options."""
-    name, file = _resolve_file(name_or_path, ("bench",))
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise PresetError(f"preset must be a name or a path, got {name_or_path!r}")
+    file = _lookup(name_or_path, kinds=("bench",))
+    name = file.name
     out = _Resolved()
     _apply(file, out, (), ("bench",))
     for key in out.meta:
-        if key not in ("description",):
+        if key != "description":
             raise PresetError(
                 f"bench preset {name!r}: '{META_KEY}.{key}' applies to serve presets only"
             )
@@ -828,11 +513,12 @@ def resolve_bench(name_or_path: str, *, sets: Sequence[str] = ()) -> BenchConfig
             f"bench preset {name!r} sets 'model'; dsv4 bench takes the served model from "
             "the server (or --model): remove it"
         )
-    _apply_sets(out, sets)
-    if out.env:
+    overrides = _parse_sets(sets)
+    if out.env or overrides.env:
         raise PresetError(f"bench preset {name!r}: environment variables apply to serve presets")
-    if out.model is not None:
+    if overrides.model is not None:
         raise PresetError("--set model=... does not apply to bench presets: use --model")
+    apply_overrides(out.args, overrides.options)
     for key in BENCH_MANAGED:
         if key in out.args:
             raise PresetError(
@@ -876,14 +562,11 @@ class PresetInfo:
 def list_presets() -> list[PresetInfo]:
     """Every shipped preset, serve presets first."""
     out = []
-    for name in serve_preset_names():
-        file = _read_shipped("serve", name)
-        extends = tuple(_as_list(file.meta.get("extends"), name))
-        out.append(PresetInfo(name, "serve", str(file.meta.get("description", "")), extends))
-    for name in bench_preset_names():
-        file = _read_shipped("bench", name)
-        extends = tuple(_as_list(file.meta.get("extends"), name))
-        out.append(PresetInfo(name, "bench", str(file.meta.get("description", "")), extends))
+    for kind in ("serve", "bench"):
+        for name in _shipped(kind):
+            file = _lookup(name, kinds=(kind,))
+            extends = tuple(_as_list(file.meta.get("extends"), name))
+            out.append(PresetInfo(name, kind, str(file.meta.get("description", "")), extends))
     return out
 
 
@@ -893,11 +576,10 @@ def preset_kind(name_or_path: str) -> str:
     A user file is a bench preset when it extends one, or when it sets
     ``num-prompts`` or ``dataset-name`` (options only ``vllm bench serve`` has).
     """
-    if name_or_path in _shipped("serve"):
-        return "serve"
-    if name_or_path in _shipped("bench"):
-        return "bench"
-    _, file = _resolve_file(name_or_path, ("serve", "bench"))
+    for kind in ("serve", "bench"):
+        if name_or_path in _shipped(kind):
+            return kind
+    file = _lookup(name_or_path, kinds=("serve", "bench"))
     for parent in _as_list(file.meta.get("extends"), file.source):
         if parent in _shipped("bench"):
             return "bench"

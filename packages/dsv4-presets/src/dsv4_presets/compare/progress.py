@@ -86,9 +86,9 @@ class Progress:
         self.done += 1
         self.event(f"{label}: {why}")
 
-    def run_finished(self, label: str, summary: str, *, executed: bool = True) -> None:
-        """A run ends (ok or failed)."""
-        if executed and self._current:
+    def run_finished(self, label: str, summary: str) -> None:
+        """A run this invocation executed ends (ok or failed); resumed runs use run_skipped."""
+        if self._current:
             self.run_durations.append(time.monotonic() - self._run_start)
         self.done += 1
         self._current = ""

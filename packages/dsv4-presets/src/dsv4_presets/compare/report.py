@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import stats
-from .runner import BENCH_FILE, CAMPAIGN_FILE, load_result
+from .rundir import BENCH_FILE, CAMPAIGN_FILE, SERVER_LOG, load_result
 
 __all__ = [
     "METRICS",
@@ -100,10 +100,6 @@ def _load_json(path: Path) -> Any:
         return None
 
 
-def _interval_dict(interval: stats.TInterval | stats.BootstrapInterval) -> dict[str, object]:
-    return interval.to_dict()
-
-
 def build_report(
     out_dir: Path, *, confidence: float = 0.95, resamples: int = 2000, seed: int = 0
 ) -> dict[str, Any]:
@@ -140,7 +136,8 @@ def build_report(
                 reason=result.get("reason"),
                 metrics=metrics,
                 timings=result.get("timings", {}),
-                server_log=f"runs/{folder}/server.log",
+                server_log=f"runs/{folder}/{SERVER_LOG}",
+                served_by=result.get("served_by"),
             )
             good = result.get("status") == "ok" and all(
                 isinstance(metrics.get(k), (int, float)) for k, *_ in METRICS
@@ -190,22 +187,18 @@ def build_report(
             "unit": unit,
             "higher_is_better": higher_better,
             "mean_relative_change_pct": stats.mean(changes) if changes else None,
-            "paired_interval": _interval_dict(stats.t_interval(changes, confidence)),
+            "paired_interval": stats.t_interval(changes, confidence).to_dict(),
         }
-    summary["mean_tpot_ms"]["request_bootstrap"] = _interval_dict(
-        stats.bootstrap_relative_change(
-            complete, tpot_samples, confidence=confidence, resamples=resamples, seed=seed
-        )
-    )
+    summary["mean_tpot_ms"]["request_bootstrap"] = stats.bootstrap_relative_change(
+        complete, tpot_samples, confidence=confidence, resamples=resamples, seed=seed
+    ).to_dict()
     summary["mean_itl_ms"] = {
         "title": "Mean ITL",
         "unit": "ms",
         "higher_is_better": False,
-        "request_bootstrap": _interval_dict(
-            stats.bootstrap_relative_change(
-                complete, itl_samples, confidence=confidence, resamples=resamples, seed=seed
-            )
-        ),
+        "request_bootstrap": stats.bootstrap_relative_change(
+            complete, itl_samples, confidence=confidence, resamples=resamples, seed=seed
+        ).to_dict(),
     }
     return {
         "format": REPORT_FORMAT,
@@ -249,6 +242,27 @@ def _fmt_interval(d: Mapping[str, Any], estimate_key: str) -> str:
         head = f"{_fmt_pct(est)}, " if est is not None else ""
         return f"{head}interval undefined: {d.get('undefined_reason')}"
     return f"{_fmt_pct(est)} [{_fmt_pct(d['low'])}, {_fmt_pct(d['high'])}]"
+
+
+def _vllm_text(served_by: Mapping[str, Any]) -> str:
+    version = served_by.get("vllm_version")
+    if version is None:
+        return "unknown (no start-up line in server.log)"
+    source = served_by.get("vllm_version_source")
+    return f"{version}" + (f" (from {source})" if source and source != "server.log" else "")
+
+
+def _plugin_text(plugin: Mapping[str, Any]) -> str:
+    state = plugin.get("state", "absent")
+    if state == "absent":
+        return "absent (no dsv4-attention line: not installed)"
+    version = plugin.get("plugin_version", "?")
+    if state == "active":
+        replaced = ", ".join(plugin.get("replaced", [])) or "nothing listed"
+        return f"active ({version}; replaced: {replaced})"
+    if state == "inactive":
+        return f"inactive ({version}: {plugin.get('reason', 'no reason given')})"
+    return f"mixed: processes disagree ({version}); see server.log"
 
 
 def render_markdown(report: Mapping[str, Any]) -> str:
@@ -326,6 +340,15 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "The paired interval is the one to trust; the per-request bootstrap covers "
         "request-to-request noise inside runs only.",
     ]
+    served = [r for r in report["runs"] if r.get("served_by")]
+    if served:
+        lines += ["", "## Servers (read from each run's server.log)", ""]
+        lines += ["| Run | vLLM | dsv4-attention |", "| --- | --- | --- |"]
+        for r in served:
+            lines.append(
+                f"| {r['label']} | {_vllm_text(r['served_by'])} | "
+                f"{_plugin_text(r['served_by'].get('plugin') or {})} |"
+            )
     warned = [r for r in report["runs"] if r.get("warning")]
     if warned:
         lines += ["", "## Warnings", ""]

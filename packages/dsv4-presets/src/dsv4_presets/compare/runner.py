@@ -11,15 +11,17 @@ For every planned run the runner
    deadline, watching the server meanwhile;
 4. stops the server by its PID: SIGTERM to its process group, SIGKILL after
    the grace period, until no process of the group is left;
-5. waits for GPU memory to come back to what it was before the start
+5. reads from ``server.log`` which vLLM served the run and whether the
+   dsv4-attention plugin was active (:mod:`.server_log`);
+6. waits for GPU memory to come back to what it was before the start
    (``nvidia-smi``; where there is none, the step is skipped and recorded).
 
-Everything about the run (spec, commands, environment, versions, logs,
-vLLM's result and our ``result.json``) is written into ``runs/.NN-LABEL.partial``
-and renamed to ``runs/NN-LABEL`` only when the run is over, so a folder with
-the final name is always complete.  A later invocation skips finished runs,
-kills a server orphaned by a killed campaign (its PID is in the partial
-folder) and discards the partial folder.
+The process plumbing is in :mod:`.process`, the run folder's format in
+:mod:`.rundir`: everything about the run is written into
+``runs/.NN-LABEL.partial`` and renamed to ``runs/NN-LABEL`` only when the run
+is over, so a folder with the final name is always complete.  A later
+invocation skips finished runs, kills a server orphaned by a killed campaign
+(its PID is in the partial folder) and discards the partial folder.
 """
 
 from __future__ import annotations
@@ -28,22 +30,45 @@ import contextlib
 import dataclasses
 import json
 import os
-import platform
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..bench import bench_verdict
+from ..local_http import get as http_get
+from ..local_http import post_json as http_post_json
+from .process import (
+    free_port,
+    gpu_memory_used_mib,
+    host_versions,
+    kill_orphan,
+    process_start_time,
+    start_in_group,
+    stop_process_group,
+)
 from .progress import Progress
+from .rundir import (
+    BENCH_FILE,
+    BENCH_LOG,
+    CAMPAIGN_FILE,
+    PARTIAL_SUFFIX,
+    RESULT_FILE,
+    SERVER_LOG,
+    SERVER_PID_FILE,
+    VERSIONS_FILE,
+    load_result,
+    partial_folder,
+    read_bench_metrics,
+    recorded_environment,
+    tail,
+    write_json,
+)
+from .server_log import read_server_log
 from .spec import PlannedRun, VariantSpec
 
 __all__ = [
@@ -53,33 +78,8 @@ __all__ = [
     "ResolvedVariant",
     "RunOptions",
     "RunResult",
-    "bench_failure",
-    "read_bench_metrics",
     "run_campaign",
 ]
-
-RESULT_FILE = "result.json"
-BENCH_FILE = "bench.json"
-CAMPAIGN_FILE = "campaign.json"
-PARTIAL_SUFFIX = ".partial"
-# Environment variables recorded with each run (by prefix); names that look
-# like credentials are never written.
-_ENV_PREFIXES = (
-    "VLLM_",
-    "DSV4_",
-    "CUDA_",
-    "NCCL_",
-    "HF_",
-    "TORCH",
-    "PYTORCH_",
-    "OMP_",
-    "NVIDIA_",
-    "TRITON_",
-    "LD_LIBRARY_PATH",
-    "PATH",
-    "VIRTUAL_ENV",
-)
-_SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "CREDENTIAL", "AUTH")
 
 
 class CampaignInterrupted(Exception):
@@ -237,277 +237,12 @@ class RunResult:
 
 
 # --------------------------------------------------------------------------
-# Small helpers, each testable on its own
-# --------------------------------------------------------------------------
-
-
-def free_port(host: str) -> int:
-    """A TCP port on ``host`` that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def recorded_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """The part of an environment worth recording (no credentials)."""
-    out = {}
-    for name, value in sorted(env.items()):
-        if not name.startswith(_ENV_PREFIXES):
-            continue
-        if any(word in name.upper() for word in _SECRET_WORDS):
-            continue
-        out[name] = value
-    return out
-
-
-# The server is always local: never send its health checks through an HTTP proxy
-# that the environment (http_proxy) may name.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-def http_get(url: str, timeout: float) -> tuple[int, bytes]:
-    """GET ``url``; returns (status, body); status 0 when nothing answered."""
-    try:
-        with _OPENER.open(url, timeout=timeout) as resp:
-            return int(resp.status), resp.read()
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), b""
-    except (urllib.error.URLError, OSError, TimeoutError):
-        return 0, b""
-
-
-def http_post_json(url: str, payload: Mapping[str, Any], timeout: float) -> tuple[int, bytes]:
-    """POST a JSON body; returns (status, body); status 0 when nothing answered."""
-    data = json.dumps(payload).encode()
-    req = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with _OPENER.open(req, timeout=timeout) as resp:
-            return int(resp.status), resp.read()
-    except urllib.error.HTTPError as exc:
-        return int(exc.code), exc.read()
-    except (urllib.error.URLError, OSError, TimeoutError) as exc:
-        return 0, str(exc).encode()
-
-
-def gpu_memory_used_mib() -> list[int] | None:
-    """Used memory per GPU from ``nvidia-smi``, or None where there is no nvidia-smi."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run(
-            [exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (subprocess.SubprocessError, OSError):
-        return None
-    values = []
-    for line in out.splitlines():
-        line = line.strip()
-        if line:
-            try:
-                values.append(int(float(line)))
-            except ValueError:
-                return None
-    return values
-
-
-def _process_group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def stop_process_group(proc: subprocess.Popen[bytes], grace: float) -> dict[str, Any]:
-    """Stop a process started with ``start_new_session`` and everything in its group.
-
-    SIGTERM to the group (the PID is the group id), then SIGKILL once ``grace``
-    seconds have passed; returns how it went.
-    """
-    pid = proc.pid
-    info: dict[str, Any] = {"pid": pid}
-    t0 = time.monotonic()
-    if proc.poll() is not None and not _process_group_alive(pid):
-        info.update(exit_code=proc.returncode, stopped_by="already exited", seconds=0.0)
-        return info
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-    stopped_by = "SIGTERM"
-    deadline = t0 + grace
-    while time.monotonic() < deadline:
-        if proc.poll() is not None and not _process_group_alive(pid):
-            break
-        time.sleep(0.1)
-    else:
-        stopped_by = "SIGKILL after grace"
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-        kill_deadline = time.monotonic() + 30
-        while _process_group_alive(pid) and time.monotonic() < kill_deadline:
-            proc.poll()
-            time.sleep(0.1)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    info.update(
-        exit_code=proc.returncode,
-        stopped_by=stopped_by,
-        seconds=round(time.monotonic() - t0, 3),
-        group_left=_process_group_alive(pid),
-    )
-    return info
-
-
-def process_start_time(pid: int) -> str | None:
-    """The start time of ``pid`` in clock ticks since boot (``/proc/PID/stat``), or None."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # Field 22; the command name (field 2) is in parentheses and may hold spaces.
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return fields[19] if len(fields) > 19 else None
-
-
-def kill_orphan(pid_file: Path, grace: float = 30.0) -> str | None:
-    """Stop a server left behind by a killed campaign, if it is still ours.
-
-    ``pid_file`` holds ``{"pid": ..., "start_time": ..., "argv": [...]}``.  The
-    process group is only signalled when the PID still belongs to the process
-    we started: same start time in ``/proc/PID/stat`` (vLLM renames its
-    processes, so the command line is not a reliable witness).  Returns what
-    was done, or None when nothing of ours was running.
-    """
-    try:
-        data = json.loads(pid_file.read_text())
-        pid = int(data["pid"])
-        recorded = data.get("start_time")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not recorded:
-        return None
-    current = process_start_time(pid)
-    if current is None:
-        if _process_group_alive(pid) and not Path("/proc").is_dir():
-            return f"process group {pid} may be an orphaned server; /proc is missing, not touched"
-        return None
-    if current != recorded:
-        return None
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while _process_group_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if _process_group_alive(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-        return f"killed orphaned server process group {pid} (SIGKILL after {grace:.0f}s)"
-    return f"stopped orphaned server process group {pid} (SIGTERM)"
-
-
-def _tail(path: Path, lines: int = 40) -> list[str]:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return []
-    return text.splitlines()[-lines:]
-
-
-def read_bench_metrics(data: Mapping[str, Any]) -> dict[str, Any]:
-    """The summary numbers of one vLLM bench JSON (0.32 field names)."""
-    keys = (
-        "completed",
-        "failed",
-        "num_prompts",
-        "duration",
-        "total_input_tokens",
-        "total_output_tokens",
-        "request_throughput",
-        "output_throughput",
-        "total_token_throughput",
-        "mean_ttft_ms",
-        "median_ttft_ms",
-        "p99_ttft_ms",
-        "mean_tpot_ms",
-        "median_tpot_ms",
-        "p99_tpot_ms",
-        "mean_itl_ms",
-        "median_itl_ms",
-        "p99_itl_ms",
-    )
-    return {k: data[k] for k in keys if k in data}
-
-
-def bench_failure(data: Mapping[str, Any], expected_prompts: int) -> str | None:
-    """Why a bench result cannot be used, or None when every request completed."""
-    completed = data.get("completed")
-    failed = data.get("failed")
-    if not isinstance(completed, int):
-        return "bench result has no 'completed' count"
-    if isinstance(failed, int) and failed > 0:
-        errors = [e for e in data.get("errors", []) or [] if e]
-        first = f"; first error: {errors[0][:200]}" if errors else ""
-        return f"{failed} of {completed + failed} requests failed{first}"
-    if completed < expected_prompts:
-        return f"only {completed} of {expected_prompts} prompts completed"
-    return None
-
-
-# --------------------------------------------------------------------------
 # One run
 # --------------------------------------------------------------------------
 
 
 class _RunFailed(Exception):
     """A run could not produce a usable measurement; the message says why."""
-
-
-def _host_versions() -> dict[str, Any]:
-    from .. import __version__
-
-    versions: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "hostname": platform.node(),
-        "dsv4_presets": __version__,
-    }
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-        if sha.returncode == 0:
-            versions["git_sha"] = sha.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    exe = shutil.which("nvidia-smi")
-    if exe:
-        try:
-            out = subprocess.run(
-                [exe, "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            ).stdout
-            versions["gpus"] = [line.strip() for line in out.splitlines() if line.strip()]
-        except (OSError, subprocess.SubprocessError):
-            versions["gpus"] = None
-    else:
-        versions["gpus"] = None
-    return versions
 
 
 class _Runner:
@@ -522,18 +257,10 @@ class _Runner:
     def _popen(
         self, argv: Sequence[str], env: Mapping[str, str], log: Path
     ) -> subprocess.Popen[bytes]:
-        with open(log, "ab") as fh:
-            try:
-                return subprocess.Popen(
-                    list(argv),
-                    env=dict(env),
-                    stdout=fh,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                raise _RunFailed(f"could not start {argv[0]!r}: {exc}") from None
+        try:
+            return start_in_group(argv, env, log)
+        except OSError as exc:
+            raise _RunFailed(f"could not start {argv[0]!r}: {exc}") from None
 
     def _sleep(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -648,7 +375,7 @@ class _Runner:
 
     def run_one(self, run: PlannedRun, final: Path) -> RunResult:
         variant = self.c.variants[run.variant]
-        partial = self.c.runs_dir / f".{run.folder}{PARTIAL_SUFFIX}"
+        partial = partial_folder(self.c.runs_dir, run.folder)
         if partial.exists():
             shutil.rmtree(partial)
         partial.mkdir(parents=True)
@@ -665,9 +392,9 @@ class _Runner:
         )
         bench_env = {**os.environ, **self.c.bench.env}
         if self._host_versions is None:
-            self._host_versions = _host_versions()
-        _write_json(partial / "spec.json", {"run": run.to_dict(), **variant.to_dict()})
-        _write_json(
+            self._host_versions = host_versions()
+        write_json(partial / "spec.json", {"run": run.to_dict(), **variant.to_dict()})
+        write_json(
             partial / "command.json",
             {
                 "server": server_argv,
@@ -684,7 +411,7 @@ class _Runner:
                 "base_url": base_url,
             },
         )
-        _write_json(
+        write_json(
             partial / "environment.json",
             {
                 "server": recorded_environment(server_env),
@@ -705,14 +432,14 @@ class _Runner:
         versions = dict(self._host_versions)
         baseline = gpu_memory_used_mib()
         server: subprocess.Popen[bytes] | None = None
-        server_log = partial / "server.log"
+        server_log = partial / SERVER_LOG
         t_run = time.monotonic()
         try:
             try:
                 self.p.phase("starting server")
                 server = self._popen(server_argv, server_env, server_log)
-                _write_json(
-                    partial / "server.pid",
+                write_json(
+                    partial / SERVER_PID_FILE,
                     {
                         "pid": server.pid,
                         "start_time": process_start_time(server.pid),
@@ -728,7 +455,7 @@ class _Runner:
                     server, base_url, variant.served_model
                 )
                 result["timings"]["bench_s"] = round(
-                    self._bench(server, bench_argv, bench_env, partial / "bench.log"), 3
+                    self._bench(server, bench_argv, bench_env, partial / BENCH_LOG), 3
                 )
                 bench_path = partial / BENCH_FILE
                 if not bench_path.is_file():
@@ -738,7 +465,7 @@ class _Runner:
                 except ValueError as exc:
                     raise _RunFailed(f"{BENCH_FILE} is not valid JSON: {exc}") from None
                 result["metrics"] = read_bench_metrics(data)
-                why = bench_failure(data, self.c.bench.num_prompts)
+                why = bench_verdict(data, self.c.bench.num_prompts)
                 if why is not None:
                     raise _RunFailed(why)
                 result["status"] = "ok"
@@ -748,18 +475,20 @@ class _Runner:
             if server is not None:
                 self.p.phase("stopping server")
                 result["server"] = stop_process_group(server, self.o.stop_grace)
+        result["served_by"] = _served_by(server_log, versions.get("vllm_server"))
+        versions["served_by"] = result["served_by"]
         result["gpu_release"] = self._wait_gpu_release(baseline)
         result["timings"]["total_s"] = round(time.monotonic() - t_run, 3)
         result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         if result["status"] != "ok":
-            result["log_tail"] = _tail(server_log)
-            bench_log = partial / "bench.log"
+            result["log_tail"] = tail(server_log)
+            bench_log = partial / BENCH_LOG
             if bench_log.exists():
-                result["bench_log_tail"] = _tail(bench_log, 20)
-        _write_json(partial / "versions.json", versions)
-        _write_json(partial / RESULT_FILE, result)
+                result["bench_log_tail"] = tail(bench_log, 20)
+        write_json(partial / VERSIONS_FILE, versions)
+        write_json(partial / RESULT_FILE, result)
         with contextlib.suppress(FileNotFoundError):
-            (partial / "server.pid").unlink()
+            (partial / SERVER_PID_FILE).unlink()
         os.rename(partial, final)
         return RunResult(
             run.label,
@@ -771,9 +500,26 @@ class _Runner:
         )
 
     def discard_partial(self, run: PlannedRun) -> None:
-        partial = self.c.runs_dir / f".{run.folder}{PARTIAL_SUFFIX}"
+        partial = partial_folder(self.c.runs_dir, run.folder)
         if partial.exists():
             shutil.rmtree(partial, ignore_errors=True)
+
+
+def _served_by(server_log: Path, api_version: Any) -> dict[str, Any]:
+    """Which vLLM served the run and whether the dsv4-attention plugin was active in it.
+
+    Both come from the server's own log (:mod:`.server_log`); the version
+    falls back to ``GET /version`` only when the log has no start-up line.
+    """
+    seen = read_server_log(server_log)
+    version, source = seen["vllm_version"], "server.log"
+    if version is None and isinstance(api_version, str):
+        version, source = api_version, "GET /version"
+    return {
+        "vllm_version": version,
+        "vllm_version_source": source if version is not None else None,
+        "plugin": seen["plugin"],
+    }
 
 
 def _check_manifest(campaign: Campaign) -> None:
@@ -794,7 +540,7 @@ def _check_manifest(campaign: Campaign) -> None:
             )
         return
     campaign.out_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(
+    write_json(
         path,
         {
             **campaign.manifest(),
@@ -802,18 +548,6 @@ def _check_manifest(campaign: Campaign) -> None:
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },
     )
-
-
-def load_result(folder: Path) -> dict[str, Any] | None:
-    """The ``result.json`` of a finished run folder, or None."""
-    path = folder / RESULT_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def run_campaign(campaign: Campaign, progress: Progress | None = None) -> list[RunResult]:
@@ -827,7 +561,7 @@ def run_campaign(campaign: Campaign, progress: Progress | None = None) -> list[R
     campaign.runs_dir.mkdir(parents=True, exist_ok=True)
     runner = _Runner(campaign, progress)
     # Servers orphaned by a campaign that was killed outright.
-    for pid_file in sorted(campaign.runs_dir.glob(f".*{PARTIAL_SUFFIX}/server.pid")):
+    for pid_file in sorted(campaign.runs_dir.glob(f".*{PARTIAL_SUFFIX}/{SERVER_PID_FILE}")):
         what = kill_orphan(pid_file, grace=campaign.options.stop_grace)
         if what:
             progress.event(what)
@@ -871,7 +605,7 @@ def run_campaign(campaign: Campaign, progress: Progress | None = None) -> list[R
             f"ok: {outcome.metrics.get('output_throughput', float('nan')):.2f} tok/s, "
             f"mean TPOT {outcome.metrics.get('mean_tpot_ms', float('nan')):.2f} ms"
             if outcome.ok
-            else f"FAILED: {outcome.reason} (log: {final / 'server.log'})"
+            else f"FAILED: {outcome.reason} (log: {final / SERVER_LOG})"
         )
         progress.run_finished(run.label, summary)
         results.append(outcome)
