@@ -382,7 +382,14 @@ class PrefillIndexCase:
         return KV_BLOCK_SIZE // self.compress_ratio if self.compress_ratio > 1 else 1
 
     def build(
-        self, *, window: bool = True, compressed: bool = True, **outs: torch.Tensor
+        self,
+        *,
+        window: bool = True,
+        compressed: bool = True,
+        window_out: torch.Tensor | None = None,
+        window_lens_out: torch.Tensor | None = None,
+        comp_out: torch.Tensor | None = None,
+        comp_lens_out: torch.Tensor | None = None,
     ) -> PrefillIndices:
         """The rows (window and/or compressed) through :func:`build_prefill_indices`."""
         comp = compressed and self.compress_ratio > 1
@@ -397,7 +404,10 @@ class PrefillIndexCase:
             comp_block_table=self.comp_block_table if comp else None,
             topk_indices=self.topk_indices if comp else None,
             topk=self.topk if comp else None,
-            **outs,
+            window_out=window_out,
+            window_lens_out=window_lens_out,
+            comp_out=comp_out,
+            comp_lens_out=comp_lens_out,
         )
 
 

@@ -1,0 +1,397 @@
+"""The prefill forward of one DeepSeek-V4 attention layer, straight from the FP8 pages.
+
+vLLM 0.32 runs DSV4's sparse prefill as gather (FP8 pages -> bf16 workspace),
+combine (workspace rows) and FlashMLA on query heads padded to 64.  Here a
+layer's prefill is two steps on the heads it really has:
+
+1. index rows as global cache slots (:func:`dsv4_kernels.build_prefill_indices`):
+   the window rows and the C128A rows depend only on the step's metadata, so
+   a :class:`PrefillPlan` builds them once (in one launch when both are
+   missing) and every later layer of that type reuses them; C4A rows map the
+   layer's own indexer top-k (one launch per layer);
+2. sparse MLA with sink over those slots (:func:`dsv4_kernels.sparse_mla_paged`),
+   writing into the caller's output for the real heads only.
+
+Everything is plain tensors: nothing here imports vLLM.  The vLLM layer maps
+its metadata to these arguments (``swa_metadata``: ``query_start_loc`` sliced
+to the prefill requests, ``prefill_seq_lens``, ``num_prefill_tokens``,
+``block_table[num_decodes:]`` and ``block_size`` of the window cache; the
+layer's ``attn_metadata``: ``block_table[num_decodes:]`` and ``block_size //
+compress_ratio`` of the compressed cache; the indexer's top-k buffer rows of
+the prefill tokens; vLLM's C128A row width).
+
+Not covered (refused with a ``ValueError``; such batches must take vLLM's own
+prefill): in-image bidirectional visibility (vLLM's vision variant, whose
+window reaches past W and ahead of the token) and SWA bounded replay
+(DeepSeek-V4.1).  Text-only DSV4 batches never have either.
+
+:func:`reference_forward_prefill` is the same forward in pure torch: the
+reference index rows, then the reference attention, which gathers and
+dequantises exactly those slots and computes in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import dsv4_kernels as dk
+from dsv4_kernels import reference as dk_ref
+from dsv4_kernels.geometry import KV_BLOCK_SIZE, SWA_BLOCK_SIZE, WINDOW_SIZE
+from dsv4_kernels.reference import sparse_mla as ref_attention
+
+__all__ = ["PrefillPlan", "forward_prefill", "reference_forward_prefill"]
+
+LAYER_RATIOS = (1, 4, 128)  # SWA-only, C4A, C128A
+
+
+def _table_key(kind: str, table: torch.Tensor, *extra: int) -> tuple[Any, ...]:
+    return (kind, table.data_ptr(), tuple(table.shape), tuple(table.stride()), *extra)
+
+
+class PrefillPlan:
+    """One step's prefill chunk and the index rows every layer of a type shares.
+
+    Build one per step (per forward pass) from the step's metadata; the first
+    layer of each type builds the shared rows, the others reuse them.  Rows
+    are cached per block table (window cache group, C128A cache group), so
+    layers whose caches sit in different KV-cache groups each get rows through
+    their own block table.  A plan must not outlive its step: it holds the
+    block tables it has seen (so their memory cannot be reused for another
+    table within the step) and assumes their contents do not change.
+
+    Args:
+        query_start_loc: ``[num_reqs + 1]`` int32 cumulative query lengths of
+            the prefill requests (a slice of vLLM's, nonzero first element fine).
+        seq_lens: ``[>= num_reqs]`` int32 tokens of each request including
+            this chunk.
+        num_tokens: prefill query tokens, ``query_start_loc[-1] -
+            query_start_loc[0]`` (a host int).
+        window_size: sliding window W (128).
+        left_visible, right_visible: vLLM's in-image visibility; must be None
+            (batches with images take vLLM's own prefill).
+        check_values: check value-dependent facts on CUDA tensors too (reads
+            them back; CPU tensors are always checked).
+    """
+
+    def __init__(
+        self,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        num_tokens: int,
+        window_size: int = WINDOW_SIZE,
+        left_visible: torch.Tensor | None = None,
+        right_visible: torch.Tensor | None = None,
+        check_values: bool = False,
+    ) -> None:
+        if left_visible is not None or right_visible is not None:
+            raise ValueError(
+                "left_visible/right_visible given: in-image bidirectional visibility is not "
+                "supported by the head-exact prefill; batches with images must take vLLM's own "
+                "prefill path"
+            )
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        self.query_start_loc = query_start_loc
+        self.seq_lens = seq_lens
+        self.num_tokens = num_tokens
+        self.window_size = window_size
+        self.check_values = check_values
+        self._rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.launches = 0  # index-build launches so far (for tests and logs)
+
+    def _build(self, **kwargs: Any) -> dk.PrefillIndices:
+        self.launches += 1
+        return dk.build_prefill_indices(
+            self.query_start_loc,
+            self.seq_lens,
+            num_tokens=self.num_tokens,
+            window_size=self.window_size,
+            check_values=self.check_values,
+            **kwargs,
+        )
+
+    def layer_rows(
+        self,
+        compress_ratio: int,
+        *,
+        window_block_table: torch.Tensor,
+        window_block_size: int = SWA_BLOCK_SIZE,
+        comp_block_table: torch.Tensor | None = None,
+        comp_block_size: int | None = None,
+        topk_indices: torch.Tensor | None = None,
+        c128a_topk: int | None = None,
+    ) -> dk.PrefillIndices:
+        """The index rows of one layer: cached window / C128A rows, fresh C4A rows.
+
+        At most one launch: a C128A layer whose window and C128A rows are both
+        missing builds them together; a C4A layer builds its top-k rows (and
+        the window rows with them when they are missing).
+        """
+        comp_block_size = _check_comp_args(
+            compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
+        )
+        wkey = _table_key("window", window_block_table, window_block_size)
+        window = self._rows.get(wkey)
+        comp = comp_lens = None
+        ckey = None
+        if compress_ratio == 128:
+            assert comp_block_table is not None and comp_block_size is not None
+            assert c128a_topk is not None
+            ckey = _table_key("c128a", comp_block_table, comp_block_size, c128a_topk)
+            cached = self._rows.get(ckey)
+            if cached is not None:
+                comp, comp_lens = cached[1], cached[2]
+
+        need_comp = compress_ratio == 4 or (compress_ratio == 128 and comp is None)
+        if window is None or need_comp:
+            built = self._build(
+                window_block_table=window_block_table if window is None else None,
+                window_block_size=window_block_size,
+                compress_ratio=compress_ratio if need_comp else None,
+                comp_block_table=comp_block_table if need_comp else None,
+                comp_block_size=comp_block_size if need_comp else None,
+                topk_indices=topk_indices if need_comp else None,
+                topk=c128a_topk if need_comp and compress_ratio == 128 else None,
+            )
+            if window is None:
+                assert built.window is not None and built.window_lens is not None
+                window = (window_block_table, built.window, built.window_lens)
+                self._rows[wkey] = window
+            if need_comp:
+                comp, comp_lens = built.comp, built.comp_lens
+                if ckey is not None:
+                    assert comp is not None and comp_lens is not None
+                    self._rows[ckey] = (comp_block_table, comp, comp_lens)  # type: ignore[assignment]
+        return dk.PrefillIndices(window[1], window[2], comp, comp_lens)
+
+
+def _check_ratio(compress_ratio: object) -> None:
+    if compress_ratio not in LAYER_RATIOS:
+        raise ValueError(
+            f"compress_ratio must be one of {LAYER_RATIOS} (SWA-only, C4A, C128A), "
+            f"got {compress_ratio!r}"
+        )
+
+
+def _check_comp_args(
+    compress_ratio: int,
+    comp_block_table: torch.Tensor | None,
+    comp_block_size: int | None,
+    topk_indices: torch.Tensor | None,
+    c128a_topk: int | None,
+) -> int | None:
+    """Check that the compressed-cache arguments match the ratio; return the page size."""
+    _check_ratio(compress_ratio)
+    if compress_ratio == 1:
+        for name, value in (
+            ("comp_block_table", comp_block_table),
+            ("topk_indices", topk_indices),
+            ("c128a_topk", c128a_topk),
+        ):
+            if value is not None:
+                raise ValueError(f"{name} must be None for SWA-only layers (compress_ratio 1)")
+        return None
+    if comp_block_table is None:
+        raise ValueError(f"comp_block_table is needed for compress_ratio {compress_ratio}")
+    if compress_ratio == 4:
+        if topk_indices is None:
+            raise ValueError("topk_indices (the indexer's top-k) is needed for C4A layers")
+        if c128a_topk is not None:
+            raise ValueError("c128a_topk must be None for C4A layers (their width is the top-k's)")
+    else:
+        if c128a_topk is None:
+            raise ValueError("c128a_topk (the C128A row width) is needed for compress_ratio 128")
+        if topk_indices is not None:
+            raise ValueError(
+                "topk_indices must be None for C128A layers (their rows are generated)"
+            )
+    return KV_BLOCK_SIZE // compress_ratio if comp_block_size is None else comp_block_size
+
+
+def _check_layer_args(
+    q: torch.Tensor,
+    plan: PrefillPlan,
+    compress_ratio: int,
+    comp_cache: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> None:
+    _check_ratio(compress_ratio)
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a [T, H, 512] tensor, got {getattr(q, 'shape', type(q))}")
+    if q.shape[0] < plan.num_tokens:
+        raise ValueError(
+            f"q must have at least plan.num_tokens ({plan.num_tokens}) rows, got {q.shape[0]}"
+        )
+    if (compress_ratio > 1) != (comp_cache is not None):
+        raise ValueError(
+            "comp_cache must be given for C4A/C128A layers and None for SWA-only layers, "
+            f"got compress_ratio {compress_ratio} with comp_cache "
+            f"{'given' if comp_cache is not None else 'None'}"
+        )
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.dim() != 3:
+            raise ValueError("out must be a [T, H, 512] tensor")
+        if out.shape[0] < plan.num_tokens or tuple(out.shape[1:]) != tuple(q.shape[1:]):
+            raise ValueError(
+                f"out must be [>= {plan.num_tokens}, {q.shape[1]}, {q.shape[2]}] like q's real "
+                f"heads, got {tuple(out.shape)}"
+            )
+
+
+def forward_prefill(
+    q: torch.Tensor,
+    plan: PrefillPlan,
+    *,
+    compress_ratio: int,
+    scale: float,
+    swa_cache: torch.Tensor,
+    swa_block_table: torch.Tensor,
+    swa_block_size: int = SWA_BLOCK_SIZE,
+    comp_cache: torch.Tensor | None = None,
+    comp_block_table: torch.Tensor | None = None,
+    comp_block_size: int | None = None,
+    topk_indices: torch.Tensor | None = None,
+    c128a_topk: int | None = None,
+    attn_sink: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill attention of one DSV4 layer on its real heads, reading the FP8 pages.
+
+    Args:
+        q: ``[>= T, H, 512]`` bf16 queries of the plan's ``T`` prefill tokens
+            (rows past ``T``, e.g. vLLM's padding, are ignored), ``H`` the real
+            heads (pass ``q[:, :n_local_heads]`` of vLLM's padded buffer; any
+            strides with a unit last one).
+        plan: the step's :class:`PrefillPlan`.
+        compress_ratio: 1 (SWA-only), 4 (C4A) or 128 (C128A).
+        scale: softmax scale (``512 ** -0.5``).
+        swa_cache: the layer's window cache, ``[num_pages, 64, 584]`` uint8
+            view (any page stride, e.g. vLLM's block-outer views).
+        swa_block_table: ``[>= num_reqs, pages]`` int32 window-cache page ids.
+        swa_block_size: tokens per window page (64).
+        comp_cache: the compressed cache (C4A, C128A), else None.
+        comp_block_table: ``[>= num_reqs, pages]`` int32 compressed page ids.
+        comp_block_size: entries per compressed page (default ``256 //
+            compress_ratio``).
+        topk_indices: C4A: ``[>= T, index_topk]`` int32 request-local top-k.
+        c128a_topk: C128A row width (vLLM's ``c128a_prefill_topk_indices.shape[-1]``;
+            at least the longest request's ``seq_len // 128``).
+        attn_sink: ``[H]`` float32 per-head sink or None.
+        out: ``[>= T, H, 512]`` bf16 output for the real heads (e.g.
+            ``output[:, :n_local_heads]`` of vLLM's padded buffer); its first
+            ``T`` rows are written, nothing else.  Allocated when None.
+        lse: optional ``[T, H]`` float32 buffer for the lse (without the sink).
+
+    Returns:
+        The ``[T, H, 512]`` output (the first ``T`` rows of ``out``).
+
+    Raises:
+        ValueError: naming the argument, for a ratio other than 1/4/128,
+            compressed arguments that do not match the ratio, q/out shapes,
+            and everything :func:`dsv4_kernels.build_prefill_indices` and
+            :func:`dsv4_kernels.sparse_mla_paged` refuse.
+    """
+    _check_layer_args(q, plan, compress_ratio, comp_cache, out)
+    comp_block_size = _check_comp_args(
+        compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
+    )
+    T = plan.num_tokens
+    rows = plan.layer_rows(
+        compress_ratio,
+        window_block_table=swa_block_table,
+        window_block_size=swa_block_size,
+        comp_block_table=comp_block_table,
+        comp_block_size=comp_block_size,
+        topk_indices=topk_indices,
+        c128a_topk=c128a_topk,
+    )
+    assert rows.window is not None
+    result, _ = dk.sparse_mla_paged(
+        q[:T],
+        swa_cache,
+        rows.window,
+        rows.window_lens,
+        scale,
+        swa_block_size=swa_block_size,
+        attn_sink=attn_sink,
+        comp_cache=comp_cache,
+        comp_indices=rows.comp,
+        comp_lens=rows.comp_lens,
+        comp_block_size=comp_block_size,
+        out=None if out is None else out[:T],
+        lse=lse,
+    )
+    return result
+
+
+def reference_forward_prefill(
+    q: torch.Tensor,
+    plan: PrefillPlan,
+    *,
+    compress_ratio: int,
+    scale: float,
+    swa_cache: torch.Tensor,
+    swa_block_table: torch.Tensor,
+    swa_block_size: int = SWA_BLOCK_SIZE,
+    comp_cache: torch.Tensor | None = None,
+    comp_block_table: torch.Tensor | None = None,
+    comp_block_size: int | None = None,
+    topk_indices: torch.Tensor | None = None,
+    c128a_topk: int | None = None,
+    attn_sink: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`forward_prefill` in pure torch (same arguments; the plan's cached rows unused).
+
+    The reference index rows, then the reference attention: the slots are
+    gathered and dequantised and the attention is computed in float32, on
+    any device, whatever ``TRITON_INTERPRET`` says.
+    """
+    _check_layer_args(q, plan, compress_ratio, comp_cache, out)
+    comp_block_size = _check_comp_args(
+        compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
+    )
+    T = plan.num_tokens
+    rows = dk_ref.build_prefill_indices(
+        plan.query_start_loc,
+        plan.seq_lens,
+        num_tokens=T,
+        window_block_table=swa_block_table,
+        window_block_size=swa_block_size,
+        window_size=plan.window_size,
+        compress_ratio=compress_ratio,
+        comp_block_table=comp_block_table if compress_ratio > 1 else None,
+        comp_block_size=comp_block_size,
+        topk_indices=topk_indices if compress_ratio == 4 else None,
+        topk=(
+            c128a_topk
+            if compress_ratio == 128
+            else topk_indices.shape[1]
+            if topk_indices is not None
+            else None
+        ),
+    )
+    if out is None:
+        out = torch.empty((T, *q.shape[1:]), dtype=torch.bfloat16, device=q.device)
+    assert rows.window is not None
+    result, _ = ref_attention.sparse_mla_paged(
+        q[:T],
+        swa_cache,
+        rows.window,
+        rows.window_lens,
+        scale,
+        swa_block_size=swa_block_size,
+        attn_sink=attn_sink,
+        comp_cache=comp_cache,
+        comp_indices=rows.comp,
+        comp_lens=rows.comp_lens,
+        comp_block_size=comp_block_size,
+        out=out[:T],
+        lse=lse,
+    )
+    return result
