@@ -13,16 +13,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from .campaign import Campaign, CampaignInterrupted, ResolvedBench, ResolvedVariant, RunOptions
 from .progress import Progress
 from .report import write_report
-from .runner import (
-    Campaign,
-    CampaignInterrupted,
-    ResolvedBench,
-    ResolvedVariant,
-    RunOptions,
-    run_campaign,
-)
+from .runner import run_campaign
 from .spec import VariantSpec, parse_env_assignment, parse_spec, plan_runs
 
 __all__ = ["add_arguments", "main", "register", "resolve_bench_spec", "resolve_variant", "run"]
@@ -61,6 +55,10 @@ examples:
 exit status: 0 every run succeeded, 1 a run failed (see the report),
 2 bad arguments or validation errors, 130 interrupted (resume with the same command).
 """
+
+
+# The one place the run options' defaults live: RunOptions itself.
+_DEFAULTS = RunOptions()
 
 
 def _positive_float(text: str) -> float:
@@ -167,43 +165,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="campaign folder (default: results/compare-<date>-<time>); give an "
         "existing one to resume it",
     )
-    where.add_argument("--host", default="127.0.0.1", help="server address (default: 127.0.0.1)")
+    where.add_argument(
+        "--host", default=_DEFAULTS.host, help=f"server address (default: {_DEFAULTS.host})"
+    )
     where.add_argument(
         "--health-timeout",
         type=_positive_float,
-        default=1800.0,
+        default=_DEFAULTS.health_timeout,
         metavar="S",
-        help="seconds for a server to become healthy (default: 1800)",
+        help=f"seconds for a server to become healthy (default: {_DEFAULTS.health_timeout:g})",
     )
     where.add_argument(
         "--bench-timeout",
         type=_positive_float,
-        default=3600.0,
+        default=_DEFAULTS.bench_timeout,
         metavar="S",
-        help="seconds for one benchmark (default: 3600)",
+        help=f"seconds for one benchmark (default: {_DEFAULTS.bench_timeout:g})",
     )
     where.add_argument(
         "--stop-grace",
         type=_positive_float,
-        default=60.0,
+        default=_DEFAULTS.stop_grace,
         metavar="S",
-        help="seconds between SIGTERM and SIGKILL when stopping (default: 60)",
+        help="seconds between SIGTERM and SIGKILL when stopping "
+        f"(default: {_DEFAULTS.stop_grace:g})",
     )
     where.add_argument(
         "--gpu-release-timeout",
         type=_positive_float,
-        default=300.0,
+        default=_DEFAULTS.gpu_release_timeout,
         metavar="S",
         help="seconds to wait for GPU memory to return to its level before "
-        "the run (default: 300; skipped without nvidia-smi)",
+        f"the run (default: {_DEFAULTS.gpu_release_timeout:g}; skipped without nvidia-smi)",
     )
     where.add_argument(
         "--warmup-requests",
         type=_non_negative_int,
-        default=2,
+        default=_DEFAULTS.warmup_requests,
         metavar="N",
         help="completions sent before the benchmark, besides the bench "
-        "preset's own warm-ups (default: 2)",
+        f"preset's own warm-ups (default: {_DEFAULTS.warmup_requests})",
     )
     where.add_argument(
         "--retry-failed",
@@ -259,11 +260,25 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------
 
 
-def _findings(config: Any) -> list[Any]:
-    """Our DSV4 rules plus, when vLLM imports here, vLLM's own parser checks."""
+_SKIPPED: dict[str, Any] = {"status": "skipped", "why": "--no-validate"}
+
+
+def _validate(config: Any, arg: str, what: str) -> dict[str, Any]:
+    """Our DSV4 rules plus, when vLLM imports here, vLLM's own checks; raises on errors.
+
+    Returns the record kept with the campaign (status and every finding).
+    """
     from ..validate import validate
 
-    return list(validate(config))
+    findings = list(validate(config))
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        lines = "\n  ".join(str(f) for f in errors)
+        raise ValueError(
+            f"{arg}: {what} does not pass validation:\n  {lines}\n"
+            "fix it, or pass --no-validate to compare anyway (recorded in the report)"
+        )
+    return {"status": "passed", "findings": [str(f) for f in findings]}
 
 
 def resolve_variant(
@@ -302,21 +317,7 @@ def resolve_variant(
     tokenizer = config.args.get("tokenizer")
     if tokenizer is None and served_model != config.model:
         tokenizer = config.model
-    if validate:
-        findings = _findings(config)
-        errors = [f for f in findings if getattr(f, "level", "error") == "error"]
-        validation: dict[str, Any] = {
-            "status": "failed" if errors else "passed",
-            "findings": [str(f) for f in findings],
-        }
-        if errors:
-            lines = "\n  ".join(str(f) for f in errors)
-            raise ValueError(
-                f"{arg}: the preset does not pass validation:\n  {lines}\n"
-                "fix it, or pass --no-validate to compare anyway (recorded in the report)"
-            )
-    else:
-        validation = {"status": "skipped", "why": "--no-validate"}
+    validation = _validate(config, arg, "the preset") if validate else _SKIPPED
     return ResolvedVariant(
         spec=spec,
         preset=config.name,
@@ -347,13 +348,7 @@ def resolve_bench_spec(
     except ValueError as exc:
         raise ValueError(f"--bench: {exc}") from None
     if validate:
-        errors = [f for f in _findings(config) if getattr(f, "level", "error") == "error"]
-        if errors:
-            lines = "\n  ".join(str(f) for f in errors)
-            raise ValueError(
-                f"--bench: the bench preset does not pass validation:\n  {lines}\n"
-                "fix it, or pass --no-validate to compare anyway (recorded in the report)"
-            )
+        _validate(config, "--bench", "the bench preset")
     if bench_vllm is not None:
         words = shlex.split(bench_vllm)
         if not words:
