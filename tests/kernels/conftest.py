@@ -1,4 +1,4 @@
-"""Fixtures for the kernel tests: the device the Triton kernels run on, poison values."""
+"""Fixtures for the kernel tests: the device the Triton kernels run on."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ import pytest
 import torch
 
 from dsv4_kernels._validation import interpreter_enabled
-
-POISON = -7777  # never a valid index, never -1
 
 
 @pytest.fixture

@@ -27,9 +27,19 @@ from hypothesis import strategies as st
 import dsv4_kernels.kv_cache as kvc
 from dsv4_kernels import geometry
 from dsv4_kernels.reference import kv_cache as ref
+from dsv4_kernels.testing import fresh_seed
+from dsv4_kernels.testing import generator as gen
+from dsv4_kernels.testing.k_cache import (
+    assert_same_bytes,
+    block_outer_k_cache_group,
+    block_outer_k_cache_views,
+    edge_case_keys,
+    poisoned_bf16,
+    poisoned_k_cache,
+    spread_keys,
+)
 
 from . import _kv_cache_spec as spec
-from .batches import fresh_seed
 
 Insert = Callable[..., None]
 Gather = Callable[..., None]
@@ -49,56 +59,16 @@ LAYERS = {
 # --------------------------------------------------------------------------- inputs
 
 
-def gen(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
-
-
-def make_keys(n: int, seed: int) -> torch.Tensor:
-    """``[n, 512]`` bf16 keys whose 7 nope blocks span many exponents and edge cases.
-
-    Each block gets its own magnitude (2**-30 .. 2**30); some blocks are made
-    tiny (amax under the 1e-4 floor), some get an element of exactly
-    448 * 2**j (amax on a scale boundary) or the next bf16 above it, some hold
-    zeros and negative zeros.  Never all zeros.
-    """
-    g = gen(seed)
-    x = torch.randn(n, 8, 64, generator=g)
-    x *= torch.exp2(torch.randint(-30, 31, (n, 8, 1), generator=g).float())
-    nope = x[:, :7]
-    kind = torch.randint(0, 8, (n, 7, 1), generator=g)
-    # amax under the floor
-    tiny = torch.randn(n, 7, 64, generator=g) * 1e-6
-    nope.copy_(torch.where(kind == 1, tiny, nope))
-    # amax exactly 448 * 2**j (kind 2) or the next bf16 above it (kind 3)
-    scale = torch.exp2(torch.randint(-12, 13, (n, 7, 1), generator=g).float())
-    edge = (torch.randn(n, 7, 64, generator=g) * 100 * scale).clamp(-440 * scale, 440 * scale)
-    top = (448.0 * scale).to(torch.bfloat16)
-    above = (top.view(torch.int16) + 1).view(torch.bfloat16)
-    top = torch.where(kind == 3, above, top).float()
-    sign = torch.where(torch.rand(n, 7, 1, generator=g) < 0.5, -1.0, 1.0)
-    at = torch.randint(0, 64, (n, 7, 1), generator=g)
-    edge.scatter_(2, at, sign * top)
-    nope.copy_(torch.where((kind == 2) | (kind == 3), edge, nope))
-    # zeros and negative zeros among the values
-    zeros = nope.clone()
-    zeros[..., ::5] = 0.0
-    zeros[..., 1::7] = -0.0
-    nope.copy_(torch.where(kind == 4, zeros, nope))
-    return x.reshape(n, 512).to(torch.bfloat16)
+make_keys = edge_case_keys
 
 
 def poisoned_cache(num_pages: int, block_size: int, seed: int) -> torch.Tensor:
-    cache = kvc.empty_k_cache(num_pages, block_size)
-    cache.random_(0, 256, generator=gen(seed))
-    return cache
+    return poisoned_k_cache(num_pages, block_size, generator=gen(seed), device="cpu")
 
 
 def poisoned_out(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """bf16 filled with random bit patterns (NaNs and infinities included)."""
-    bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int32, generator=gen(seed))
-    return bits.to(torch.int16).view(torch.bfloat16)
+    return poisoned_bf16(shape, generator=gen(seed), device="cpu")
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -374,27 +344,119 @@ def test_gather_any_valid_bytes(layer: str) -> None:
     assert bits_equal(a, want), f"seed {seed}: kernel differs from spec"
 
 
-def test_vllm_style_3d_cache_view() -> None:
-    """A ``[num_pages, block_size, 584]`` view with the padded page stride works like 2-D."""
+# ------------------------------------------------------------------------ vLLM block-outer views
+
+# (slots per page, layers) runs of one cache group, as vLLM packs DSV4's groups
+# (dsv4_kernels.testing.k_cache): three window caches, or the compressed group
+# with its C4A pages then its C128A pages, in a block sized by a wider group.
+BLOCK_OUTER_GROUPS = {
+    "window-3-layers": ([(64, 3)], None),
+    "c4a-c128a-group": ([(64, 2), (2, 3)], 4 * 37440),
+}
+
+
+def _block_outer_case(
+    group_name: str, run: int, layer: int, seed: int, rank: int
+) -> tuple[torch.Tensor, object, torch.Tensor, int]:
+    """A random-filled block-outer group; returns (raw, group, the layer's view, block_size)."""
+    pages, block_bytes = BLOCK_OUTER_GROUPS[group_name]
+    group = block_outer_k_cache_group(5, pages, block_bytes=block_bytes, generator=gen(seed))
+    view = group.views[run][layer]
+    block_size = view.shape[1]
+    if rank == 2:  # the same pages as [num_blocks, page] rows, still a block apart
+        page = kvc.k_cache_page_stride(block_size)
+        view = torch.as_strided(group.raw, (5, page), (group.block_bytes, 1), view.storage_offset())
+    return group.raw, group, view, block_size
+
+
+def _pages_of(raw: torch.Tensor, group: object, run: int, layer: int) -> torch.Tensor:
+    """A page-contiguous copy ``[num_blocks, page]`` of one layer's pages."""
+    view = group.views[run][layer]  # type: ignore[attr-defined]
+    page = kvc.k_cache_page_stride(view.shape[1])
+    start = view.storage_offset()
+    return raw.reshape(-1, group.block_bytes)[:, start : start + page].clone()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("rank", [3, 2])
+@pytest.mark.parametrize(("group_name", "run", "layer"), [
+    ("window-3-layers", 0, 1), ("window-3-layers", 0, 2),
+    ("c4a-c128a-group", 0, 1), ("c4a-c128a-group", 1, 0), ("c4a-c128a-group", 1, 2),
+])  # fmt: skip
+@pytest.mark.parametrize("impl", list(INSERTS))
+def test_block_outer_views_round_trip(
+    impl: str, group_name: str, run: int, layer: int, rank: int
+) -> None:
+    """Insert into, then gather from, one layer of a block-outer group (vLLM's allocation).
+
+    The layer's pages must hold exactly the spec's bytes, every other byte of
+    the allocation (the other layers' pages in the same blocks, the block's
+    padding) must be untouched, and the gather must read the spec's values
+    (within the FP8 bound of the keys, rope exact) from pages a block apart.
+    """
     seed = fresh_seed()
-    block_size = 64
-    cache2d = poisoned_cache(3, block_size, seed)
-    ref.quantize_and_insert_k_cache(make_keys(192, seed + 1), cache2d, torch.arange(192), 64)
-    before = cache2d.clone()
-    view = torch.as_strided(cache2d, (3, block_size, 584), (cache2d.stride(0), 584, 1))
-    k = make_keys(10, seed)
-    slots = torch.tensor([0, 5, 63, 64, 100, 130, 191, -1, 2, 70])
-    kvc.quantize_and_insert_k_cache(k, view, slots, block_size)
-    want = before.clone()
-    ref.quantize_and_insert_k_cache(k, want, slots, block_size)
-    assert torch.equal(cache2d, want)
-    out_a = poisoned_out((1, 192, 512), seed)
-    out_b = out_a.clone()
-    table = torch.tensor([[2, 0, 1]], dtype=torch.int32)
-    seq = torch.tensor([192], dtype=torch.int32)
-    kvc.dequantize_and_gather_k_cache(out_a, view, seq, None, table, block_size, 0)
-    kvc.dequantize_and_gather_k_cache(out_b, cache2d, seq, None, table, block_size, 0)
-    assert bits_equal(out_a, out_b)
+    raw, group, view, block_size = _block_outer_case(group_name, run, layer, seed, rank)
+    before = raw.clone()
+    mask = group.layer_bytes(run, layer)  # type: ignore[attr-defined]
+    n = 5 * block_size  # every slot of the layer's pages, in random order
+    slots = torch.randperm(n, generator=gen(seed + 1))
+    k = make_keys(n, seed + 2)
+    want_pages = spec.spec_insert(_pages_of(raw, group, run, layer), k, slots.tolist(), block_size)
+    INSERTS[impl](k, view, slots, block_size)
+    got_pages = _pages_of(raw, group, run, layer)
+    assert torch.equal(got_pages, want_pages), f"seed {seed}: {first_diff(got_pages, want_pages)}"
+    assert torch.equal(raw[~mask], before[~mask]), f"seed {seed}: other layers' bytes changed"
+
+    # gather every slot back, in slot order, through a block table of all pages
+    after_insert = raw.clone()
+    seq = [5 * block_size]
+    table = torch.randperm(5, generator=gen(seed + 3)).to(torch.int32).reshape(1, 5)
+    out = poisoned_out((1, seq[0] + 2, 512), seed)
+    want = spec.spec_gather(out, want_pages, seq, None, table.tolist(), block_size, 2)
+    GATHERS[impl](out, view, torch.tensor(seq, dtype=torch.int32), None, table, block_size, 2)
+    assert bits_equal(out, want), f"seed {seed}: gather differs from the spec"
+    assert torch.equal(raw, after_insert), f"seed {seed}: the gather wrote to the cache"
+    pos_of_slot = {}  # slot -> row of out: the table maps position p to page table[p // bs]
+    for p in range(seq[0]):
+        pos_of_slot[int(table[0, p // block_size]) * block_size + p % block_size] = p
+    rows = torch.tensor([pos_of_slot[int(s)] for s in slots]) + 2
+    y, x = out[0, rows].double(), k.double()
+    assert torch.equal(y[:, 448:], x[:, 448:]), f"seed {seed}: rope not exact"
+    amax = x[:, :448].reshape(n, 7, 64).abs().amax(-1)
+    # half an E4M3 unit at the amax's binade, plus the subnormal unit 2**(e - 10)
+    e = ref.ue8m0_exponents(amax.float()).double()
+    bound = torch.exp2(torch.floor(torch.log2(amax.clamp_min(1e-30))) - 4) + torch.exp2(e - 10)
+    err = (y[:, :448] - x[:, :448]).reshape(n, 7, 64).abs()
+    assert (err <= bound.unsqueeze(-1)).all(), f"seed {seed}: round trip outside the FP8 bound"
+
+
+def test_block_outer_views_match_the_documented_layout() -> None:
+    """The issue's example and the compressed group's offsets (see testing.k_cache)."""
+    views = block_outer_k_cache_views(569, 64, 3)
+    assert [(tuple(v.shape), v.stride(), v.storage_offset()) for v in views] == [
+        ((569, 64, 584), (112320, 584, 1), layer * 37440) for layer in range(3)
+    ]
+    group = block_outer_k_cache_group(2, [(64, 3), (2, 3)], block_bytes=149760)
+    assert group.offsets == ((0, 37440, 74880), (112320, 114048, 115776))
+    assert all(v.stride() == (149760, 584, 1) for run in group.views for v in run)
+
+
+def test_page_stride_is_taken_from_the_view() -> None:
+    """Pages any stride >= the page size apart, at any storage offset, like the 2-D cache."""
+    seed = fresh_seed()
+    block_size = 2
+    page = kvc.k_cache_page_stride(block_size)
+    k = make_keys(7, seed)
+    slots = torch.tensor([0, 5, 3, -1, 8, 9, 1])
+    base = poisoned_cache(5, block_size, seed)
+    want = spec.spec_insert(base, k, slots.tolist(), block_size)
+    for stride, offset in ((page, 0), (page + 576, 0), (3 * page + 16, 40)):
+        raw = torch.zeros(offset + 4 * stride + page, dtype=torch.uint8)
+        view = torch.as_strided(raw, (5, block_size, 584), (stride, 584, 1), offset)
+        for p in range(5):
+            raw[offset + p * stride : offset + p * stride + page] = base[p]
+        kvc.quantize_and_insert_k_cache(k, view, slots, block_size)
+        got = torch.stack([raw[offset + p * stride : offset + p * stride + page] for p in range(5)])
+        assert torch.equal(got, want), f"seed {seed} stride {stride} offset {offset}"
 
 
 # --------------------------------------------------------------------------- bad input
@@ -415,9 +477,20 @@ INSERT_ERRORS = [
     ({"k": make_keys(4, 1)[:, None]}, "k must be 2-dimensional"),
     ({"k": make_keys(2, 1)}, "k must have at least 4 rows"),
     ({"k_cache": kvc.empty_k_cache(2, 64).view(torch.int8)}, "k_cache must have dtype"),
-    ({"k_cache": kvc.empty_k_cache(2, 2)}, r"k_cache must be \[num_pages, 37440\]"),
-    ({"k_cache": torch.empty(2, 37440 * 2, dtype=torch.uint8)[:, :37440]}, "row stride"),
-    ({"k_cache": torch.empty(2, 64, 584, dtype=torch.uint8)}, "3-D k_cache"),
+    ({"k_cache": kvc.empty_k_cache(2, 2)}, r"k_cache must be \[num_pages, >= 37440\]"),
+    ({"k_cache": torch.empty(37440, 2, dtype=torch.uint8).t()}, "contiguous in its last dim"),
+    ({"k_cache": torch.empty(2, 64, 584, dtype=torch.uint8)}, "at least 37440 bytes apart"),
+    (
+        {
+            "k_cache": torch.as_strided(
+                torch.empty(80000, dtype=torch.uint8), (2, 37440), (36864, 1)
+            )
+        },
+        r"at least 37440 bytes apart .*stride\(0\) = 36864",
+    ),
+    ({"k_cache": torch.empty(2, 64, 600, dtype=torch.uint8)[:, :, :584]}, "3-D k_cache"),
+    ({"k_cache": torch.empty(2, 584, 64, dtype=torch.uint8).transpose(1, 2)}, "3-D k_cache"),
+    ({"k_cache": torch.empty(2, 32, 584, dtype=torch.uint8)}, r"\[num_pages, 64, 584\] view"),
     ({"slot_mapping": torch.arange(4.0)}, "slot_mapping must have dtype"),
     ({"slot_mapping": torch.arange(8)[::2]}, "slot_mapping must be contiguous"),
     ({"block_size": 0}, "block_size must be > 0"),
@@ -453,7 +526,11 @@ GATHER_ERRORS = [
     ({"out": torch.empty(2, 19, 512, dtype=torch.bfloat16)}, "out has 19 rows.*too short"),
     ({"offset": 17}, "out has 20 rows.*too short"),
     ({"offset": -1}, "offset must be >= 0"),
-    ({"k_cache": kvc.empty_k_cache(3, 64)}, r"k_cache must be \[num_pages, 1728\]"),
+    ({"k_cache": kvc.empty_k_cache(3, 64)[:, :1000]}, r"k_cache must be \[num_pages, >= 1728\]"),
+    (
+        {"k_cache": torch.as_strided(torch.empty(5000, dtype=torch.uint8), (3, 1728), (1152, 1))},
+        r"at least 1728 bytes apart",
+    ),
     ({"k_cache": torch.empty(3, 1728, dtype=torch.int32)}, "k_cache must have dtype"),
     ({"seq_lens": torch.tensor([6.0, 3.0])}, "seq_lens must have dtype"),
     ({"seq_lens": torch.tensor([-1, 3], dtype=torch.int32)}, "seq_lens must be >= 0"),
@@ -464,7 +541,7 @@ GATHER_ERRORS = [
     ({"block_table": torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)}, "block_table has 2 col"),
     ({"block_table": torch.tensor([[0, 1, 2]], dtype=torch.int32)}, "block_table must have a row"),
     ({"block_table": torch.zeros(2, 3)}, "block_table must have dtype"),
-    ({"block_size": 3}, r"k_cache must be \[num_pages, 2304\]"),
+    ({"block_size": 3}, r"k_cache must be \[num_pages, >= 2304\]"),
 ]
 
 
@@ -513,9 +590,7 @@ def _gpu_requests(
     cache = kvc.empty_k_cache(num_pages, block_size, dev)
     cache.random_(0, 256, generator=g)
     n = num_pages * block_size
-    k = torch.randn(n, 8, 64, generator=g, device=dev)
-    k *= torch.exp2(torch.randint(-20, 20, (n, 8, 1), generator=g, device=dev).float())
-    k = k.reshape(n, 512).to(torch.bfloat16)
+    k = spread_keys(n, generator=g, device=dev)
     kvc.quantize_and_insert_k_cache(
         k, cache, torch.arange(num_pages * block_size, device=dev), block_size
     )
@@ -652,7 +727,10 @@ def test_gpu_cuda_graph_capture_and_replay(gpu: torch.device) -> None:
 
 @pytest.mark.gpu
 def test_gpu_sizes_do_not_recompile(gpu: torch.device) -> None:
-    """Token, request and page counts and the offset are run-time values: one kernel each."""
+    """Token, request and page counts, the offset and the page stride are run-time values.
+
+    One kernel each, whatever the page stride of a layer's block-outer view.
+    """
     from dsv4_kernels import _triton_kv_cache as tk
 
     seed = fresh_seed()
@@ -662,10 +740,12 @@ def test_gpu_sizes_do_not_recompile(gpu: torch.device) -> None:
             pytest.skip("this Triton keeps no per-device kernel cache to count")
         caches[fn] = fn.device_caches[torch.cuda.current_device()][0]
     counts = []
-    for i, (n, reqs, pages, offset) in enumerate(
-        [(1, 1, 1, 0), (16, 2, 33, 16), (17, 5, 64, 1), (1000, 3, 17, 5)]
+    for i, (n, reqs, pages, offset, layers) in enumerate(
+        [(1, 1, 1, 0, 0), (16, 2, 33, 16, 0), (17, 5, 64, 1, 3), (1000, 3, 17, 5, 5)]
     ):
         cache = kvc.empty_k_cache(pages, 64, gpu)
+        if layers:  # a block-outer layer view: another page stride and storage offset
+            cache = block_outer_k_cache_views(pages, 64, layers, gpu)[layers // 2]
         k = make_keys(n, seed + i).to(gpu)
         slots = torch.randint(0, pages * 64, (n,), device=gpu).unique()
         kvc.quantize_and_insert_k_cache(k, cache, slots, 64)
@@ -675,3 +755,57 @@ def test_gpu_sizes_do_not_recompile(gpu: torch.device) -> None:
         kvc.dequantize_and_gather_k_cache(out, cache, seq, seq, table, 64, offset)
         counts.append(tuple(len(c) for c in caches.values()))
     assert counts[1:] == counts[:1] * 3, counts
+
+
+GPU_BLOCK_OUTER_CASES = {
+    # name: (pages of the group, run, layer, seq_lens, gather_len)
+    "window-3-layers-1x16384": ([(64, 3)], 0, 1, [16384], None),
+    "window-3-layers-16x1024": ([(64, 3)], 0, 2, [1024] * 16, None),
+    "c4a-of-c4a-c128a-1x32768": ([(64, 3), (2, 3)], 0, 1, [32768], None),
+    "c128a-of-c4a-c128a-1x1024": ([(64, 3), (2, 3)], 1, 2, [1024], None),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_BLOCK_OUTER_CASES))
+def test_gpu_block_outer_views_benchmark_sizes(name: str, gpu: torch.device) -> None:
+    """Insert into and gather from one layer of vLLM's block-outer group at benchmark sizes.
+
+    The kernel's bytes equal the reference's on the same view (both address pages
+    through ``stride(0)``, the reference by plain indexing), the other layers'
+    bytes in the same blocks are untouched, and the gather equals the gather of
+    a page-contiguous copy of the layer's pages.
+    """
+    seed = fresh_seed()
+    pages, run, layer, seq_lens, gather_len = GPU_BLOCK_OUTER_CASES[name]
+    g = gen(seed, gpu)
+    block_size = pages[run][0]
+    per_req = math.ceil(max(seq_lens) / block_size)
+    num_blocks = per_req * len(seq_lens) + 5
+    group = block_outer_k_cache_group(num_blocks, pages, gpu, generator=g)
+    view = group.views[run][layer]
+    n = num_blocks * block_size
+    slots = torch.randperm(n, generator=g, device=gpu)
+    slots[torch.rand(n, generator=g, device=gpu) < 0.02] = -1
+    k = spread_keys(n, generator=g, device=gpu)
+    before = group.raw.clone()
+    want_raw = group.raw.clone()
+    want_view = torch.as_strided(want_raw, view.shape, view.stride(), view.storage_offset())
+    kvc.quantize_and_insert_k_cache(k, view, slots, block_size)
+    ref.quantize_and_insert_k_cache(k, want_view, slots, block_size)
+    assert_same_bytes(group.raw, want_raw, f"seed {seed}: allocation after insert")
+    mask = group.layer_bytes(run, layer)
+    assert torch.equal(group.raw[~mask], before[~mask]), f"seed {seed}: other layers changed"
+
+    page = kvc.k_cache_page_stride(block_size)
+    start = view.storage_offset()
+    contiguous = group.raw.reshape(num_blocks, -1)[:, start : start + page].contiguous()
+    perm = torch.randperm(num_blocks, generator=g, device=gpu).to(torch.int32)
+    table = perm[: per_req * len(seq_lens)].reshape(len(seq_lens), per_req).contiguous()
+    seq = torch.tensor(seq_lens, dtype=torch.int32, device=gpu)
+    gl = None if gather_len is None else torch.clamp(seq, max=gather_len)
+    out = poisoned_bf16((len(seq_lens), max(seq_lens) + 3, 512), generator=g, device=gpu)
+    want = out.clone()
+    kvc.dequantize_and_gather_k_cache(out, view, seq, gl, table, block_size, 3)
+    kvc.dequantize_and_gather_k_cache(want, contiguous, seq, gl, table, block_size, 3)
+    assert_same_bytes(out, want, f"seed {seed}: gather from the view")

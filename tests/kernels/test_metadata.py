@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import dsv4_kernels as dk
 from dsv4_kernels import reference as ref
+from dsv4_kernels.testing import POISON, fresh_seed
+from dsv4_kernels.testing.metadata import Batch, make_batch, random_global_case
 
-from .batches import Batch, fresh_seed, make_batch
-from .conftest import POISON
 from .spec import combined_width, spec_combine, spec_global
 
 Combine = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -211,22 +211,6 @@ GLOBAL_IMPLS = {
 }
 
 
-def make_global_case(
-    seed: int, num_tokens: int, width: int, block_size: int, num_reqs: int, pages: int
-) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    # entries: -1, valid, and some whose page lies past the table
-    topk = torch.randint(
-        -1, pages * block_size + 3 * block_size, (num_tokens, width), generator=g, dtype=torch.int32
-    )
-    req = torch.randint(0, max(num_reqs, 1), (num_tokens,), generator=g, dtype=torch.int32)
-    valid = torch.rand(num_tokens, generator=g) > 0.25
-    # invalid (padding) tokens may carry garbage request ids: never read
-    req = torch.where(valid, req, torch.full_like(req, 10**6))
-    table = torch.randint(0, 100_000, (num_reqs, pages), generator=g, dtype=torch.int32)
-    return topk, req, table, valid
-
-
 @pytest.mark.parametrize("impl", list(GLOBAL_IMPLS))
 @pytest.mark.parametrize("block_size", [64, 2])
 @pytest.mark.parametrize("num_tokens,width", [(1, 16), (29, 96), (64, 512)])
@@ -235,7 +219,7 @@ def test_global_matches_spec(
 ) -> None:
     device = kernel_device if impl == "triton" else torch.device("cpu")
     seed = fresh_seed()
-    topk, req, table, valid = make_global_case(seed, num_tokens, width, block_size, 3, 5)
+    topk, req, table, valid = random_global_case(seed, num_tokens, width, block_size, 3, 5)
     for valid_t in (valid, valid.to(torch.int32)):
         out = torch.full((num_tokens, width), POISON, dtype=torch.int32, device=device)
         lens_out = torch.full((num_tokens,), POISON, dtype=torch.int32, device=device)
@@ -357,7 +341,7 @@ def test_combine_bad_input(change: Callable[[dict[str, object]], None], match: s
     ],
 )
 def test_global_bad_input(change: Callable[[dict[str, object]], None], match: str) -> None:
-    topk, req, table, valid = make_global_case(5, 8, 16, 64, 2, 3)
+    topk, req, table, valid = random_global_case(5, 8, 16, 64, 2, 3)
     args: dict[str, object] = dict(
         topk_indices=topk,
         token_to_req_indices=req,
@@ -475,7 +459,7 @@ def test_global_uses_the_first_entries_of_longer_token_arrays(
 ) -> None:
     """vLLM passes the whole batch's token_to_req_indices with a decode-only slice of top-k."""
     device = kernel_device if impl == "triton" else torch.device("cpu")
-    topk, req, table, valid = make_global_case(fresh_seed(), 12, 32, 64, 3, 4)
+    topk, req, table, valid = random_global_case(fresh_seed(), 12, 32, 64, 3, 4)
     got = GLOBAL_IMPLS[impl](
         topk[:5].to(device), req.to(device), table.to(device), 64, valid.to(device)
     )

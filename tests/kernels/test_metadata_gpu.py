@@ -10,9 +10,8 @@ from benchmarks import cases_metadata as cm
 import dsv4_kernels as dk
 from dsv4_kernels import _triton_metadata as kernels
 from dsv4_kernels import reference as ref
-
-from .batches import fresh_seed, make_batch
-from .conftest import POISON
+from dsv4_kernels.testing import POISON, fresh_seed, generator
+from dsv4_kernels.testing.metadata import combine_bench_inputs, make_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -25,17 +24,13 @@ def _compiled(kernel: object) -> int:
     return sum(len(c) for c in kernel.cache.values())  # type: ignore[attr-defined]
 
 
-def _bench_batches() -> list[tuple[str, dict]]:
-    g = torch.Generator().manual_seed(fresh_seed())
-    return [(s.name, cm._combine_inputs(s, torch.device("cuda"), g)) for s in cm.COMBINE_MATRIX]
-
-
-@pytest.mark.parametrize("index", range(len(cm.COMBINE_MATRIX)))
-def test_combine_benchmark_sizes_match_reference(index: int, gpu: torch.device) -> None:
-    name, inp = _bench_batches()[index]
-    T = inp.pop("_T")
-    inp.pop("_topk_read")
-    args = list(inp.values())
+@pytest.mark.parametrize("shape", cm.COMBINE_MATRIX, ids=lambda s: s.name)
+def test_combine_benchmark_sizes_match_reference(shape: cm.CombineShape, gpu: torch.device) -> None:
+    seed = fresh_seed()
+    inp = combine_bench_inputs(
+        shape.layer, shape.num_reqs, shape.query_len, shape.context, gpu, generator(seed)
+    )
+    name, T, args = f"{shape.name} seed {seed}", inp.num_tokens, inp.args
     want, want_lens = ref.combine_topk_swa_indices(*args, num_tokens=T)
     out = torch.full_like(want, POISON)
     lens = torch.full_like(want_lens, POISON)

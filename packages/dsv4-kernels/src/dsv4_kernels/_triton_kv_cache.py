@@ -6,7 +6,12 @@ Layout of one page (``SLOTS`` tokens or compressed entries, see DESIGN.md)::
     [slot * 576, slot * 576 + 448)          448 E4M3 codes, 7 blocks of 64
     [slot * 576 + 448, slot * 576 + 576)    64 rope values, bf16
     [SLOTS * 576 + slot * 8, ... + 8)       7 UE8M0 exponents (e + 127) and a zero byte
-    ... up to PAGE_STRIDE = round_up(SLOTS * 584, 576)
+
+Pages are ``page_stride`` bytes apart, a run-time argument: at least
+``round_up(SLOTS * 584, 576)`` (pages of one layer side by side), or a whole
+block of several layers' pages when vLLM allocates a cache group block-outer
+(one layer's view is then ``[num_blocks, SLOTS, 584]`` with ``stride(0)`` =
+the block).  Every layer of every group runs the same compiled kernel.
 
 Design (both kernels):
 
@@ -19,10 +24,11 @@ Design (both kernels):
   offset: 16-byte vector loads and stores;
 * byte offsets are 64-bit (page id * page stride passes 2**31 near 57K
   pages of 64 slots);
-* only geometry (slots per page, page stride, tile sizes) is
-  ``tl.constexpr``; token, request, page counts and the output offset are
-  run-time values excluded from specialisation, so they never compile a new
-  kernel;
+* only geometry (slots per page, tile sizes) is ``tl.constexpr``; token,
+  request and page counts, the page stride and the output offset are run-time
+  values excluded from specialisation, so they never compile a new kernel
+  (``PAGE_ALIGNED``, the page stride being a multiple of 16, is the one
+  switch, and vLLM's strides always are);
 * no host synchronisation: gather lengths, sequence lengths and page ids are
   read on the device; programs past a request's gather length exit at once.
 
@@ -44,8 +50,8 @@ import triton.language as tl
 
 # Run-time sizes that must not be specialised on value (== 1, % 16): changing
 # them must not compile a new kernel.
-INSERT_RUNTIME_ARGS = ["num_tokens", "num_slots"]
-GATHER_RUNTIME_ARGS = ["out_rows", "offset", "table_width", "num_pages"]
+INSERT_RUNTIME_ARGS = ["page_stride", "num_tokens", "num_slots"]
+GATHER_RUNTIME_ARGS = ["page_stride", "out_rows", "offset", "table_width", "num_pages"]
 
 
 @triton.jit
@@ -75,15 +81,16 @@ def _e4m3_rne_codes(v):
 def _quantize_and_insert_k_cache_kernel(
     # pointers
     k_ptr,  # [>= num_tokens, 512] bf16, rows k_stride apart
-    k_cache_ptr,  # [num_pages * PAGE_STRIDE] uint8
+    k_cache_ptr,  # page p at byte p * page_stride, uint8
     slot_ptr,  # [num_tokens] int64 or int32, negative = skip
     # sizes and strides
     k_stride,
+    page_stride,  # bytes between pages (>= round_up(SLOTS * 584, 576))
     num_tokens,
     num_slots,  # num_pages * SLOTS: slots at or past this are skipped
     # meta-parameters
     SLOTS: tl.constexpr,
-    PAGE_STRIDE: tl.constexpr,
+    PAGE_ALIGNED: tl.constexpr,  # page_stride % 16 == 0: 16-byte vector accesses
     NOPE: tl.constexpr,  # 448
     ROPE: tl.constexpr,  # 64
     QBLOCK: tl.constexpr,  # 64
@@ -105,9 +112,12 @@ def _quantize_and_insert_k_cache_kernel(
     ok = tok_ok & (slot >= 0) & (slot < num_slots)
     page = slot // SLOTS
     in_page = slot % SLOTS
-    page_base = page * PAGE_STRIDE  # int64
-    data_off = tl.multiple_of(page_base + in_page * DATA_BYTES, 16)
-    scale_off = tl.multiple_of(page_base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES, 8)
+    page_base = page * page_stride  # int64
+    data_off = page_base + in_page * DATA_BYTES
+    scale_off = page_base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES
+    if PAGE_ALIGNED:
+        data_off = tl.multiple_of(data_off, 16)
+        scale_off = tl.multiple_of(scale_off, 8)
 
     qb = tl.arange(0, NQ_PAD)  # quantisation block (row 7 is padding)
     col = tl.arange(0, QBLOCK)
@@ -151,11 +161,12 @@ def _quantize_and_insert_k_cache_kernel(
 def _dequantize_and_gather_k_cache_kernel(
     # pointers
     out_ptr,  # [num_reqs, out_rows, 512] bf16
-    k_cache_ptr,  # [num_pages * PAGE_STRIDE] uint8
+    k_cache_ptr,  # page p at byte p * page_stride, uint8
     seq_lens_ptr,  # [num_reqs] int32 / int64
     gather_lens_ptr,  # [num_reqs] int32 / int64 (unused unless HAS_GATHER_LENS)
     block_table_ptr,  # [num_reqs, table_width] int32 / int64
     # sizes and strides
+    page_stride,  # bytes between pages (>= round_up(SLOTS * 584, 576))
     out_stride_b,
     out_stride_t,
     table_stride,
@@ -165,7 +176,7 @@ def _dequantize_and_gather_k_cache_kernel(
     num_pages,
     # meta-parameters
     SLOTS: tl.constexpr,
-    PAGE_STRIDE: tl.constexpr,
+    PAGE_ALIGNED: tl.constexpr,  # page_stride % 16 == 0: 16-byte vector accesses
     NOPE: tl.constexpr,
     ROPE: tl.constexpr,
     QBLOCK: tl.constexpr,
@@ -201,9 +212,12 @@ def _dequantize_and_gather_k_cache_kernel(
             block_table_ptr + req.to(tl.int64) * table_stride + page_idx, mask=ok, other=0
         ).to(tl.int64)
         ok = ok & (page >= 0) & (page < num_pages)
-        page_base = page * PAGE_STRIDE
-        data_off = tl.multiple_of(page_base + in_page * DATA_BYTES, 16)
-        scale_off = tl.multiple_of(page_base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES, 8)
+        page_base = page * page_stride  # int64
+        data_off = page_base + in_page * DATA_BYTES
+        scale_off = page_base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES
+        if PAGE_ALIGNED:
+            data_off = tl.multiple_of(data_off, 16)
+            scale_off = tl.multiple_of(scale_off, 8)
 
         qb = tl.arange(0, NQ_PAD)
         col = tl.arange(0, QBLOCK)

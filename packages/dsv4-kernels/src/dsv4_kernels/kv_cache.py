@@ -9,8 +9,12 @@ Layout (per page of ``slots_per_page`` tokens or compressed entries, DESIGN.md
 "FP8 K cache"): token ``s`` keeps 448 E4M3 codes (7 blocks of 64) and its 64
 rope values as bf16 at byte ``s * 576``; after all the page's data come 8
 scale bytes per token (7 UE8M0 exponents ``e + 127`` and a zero byte) at
-``slots_per_page * 576 + s * 8``.  Pages are ``k_cache_page_stride(slots)``
-= ``round_up(slots * 584, 576)`` bytes apart.
+``slots_per_page * 576 + s * 8``.  Pages are at least
+``k_cache_page_stride(slots)`` = ``round_up(slots * 584, 576)`` bytes apart:
+exactly that in a cache of one layer (:func:`empty_k_cache`), a whole block
+in vLLM's block-outer views, where one block holds a page of every layer of
+a cache group; the kernels take the stride from ``k_cache.stride(0)`` at run
+time (64-bit offsets, one compiled kernel for every layer).
 
 Quantisation of a block of 64 values ``x``: ``e = ceil(log2(max(amax, 1e-4) /
 448))``, codes ``e4m3(clamp(x / 2**e, -448, 448))`` rounded to nearest, ties to
@@ -131,33 +135,48 @@ def empty_k_cache(
 
 
 def _check_k_cache(k_cache: object, block_size: int) -> tuple[torch.Tensor, int, int]:
-    """Validate the cache; return (cache, num_pages, page stride). Never syncs."""
+    """Validate the cache; return (cache, num_pages, bytes between pages). Never syncs.
+
+    Accepts a ``[num_pages, >= page]`` uint8 tensor contiguous in its last
+    dimension, or a ``[num_pages, block_size, 584]`` uint8 view with strides
+    ``(stride, 584, 1)``, where ``page = k_cache_page_stride(block_size)`` and
+    ``stride >= page``: pages of one layer side by side (``stride == page``),
+    or vLLM's block-outer views, where one block holds the pages of every
+    layer of a cache group and ``stride`` is the whole block.  Any storage
+    offset.  A single page's stride is never used (returned as ``page``).
+    """
     check_positive_int("block_size", block_size)
     cache = check_tensor("k_cache", k_cache, dtype=torch.uint8, ndim=(2, 3))
-    stride = page_stride_bytes(block_size)
+    page = page_stride_bytes(block_size)
     num_pages = cache.shape[0]
     if cache.dim() == 2:
-        if cache.shape[1] != stride or (num_pages > 1 and cache.stride(0) != stride):
+        if cache.shape[1] < page:
             raise ValueError(
-                f"k_cache must be [num_pages, {stride}] uint8 with row stride {stride} "
-                f"(k_cache_page_stride({block_size})), got shape {tuple(cache.shape)} "
-                f"and strides {cache.stride()}"
+                f"k_cache must be [num_pages, >= {page}] uint8 (k_cache_page_stride({block_size}) "
+                f"bytes per page), got shape {tuple(cache.shape)}"
             )
-        if cache.stride(1) != 1 and stride > 1:
-            raise ValueError("k_cache must be contiguous in its last dimension")
-    else:
-        # vLLM-style view [num_pages, block_size, 584] over pages `stride` bytes apart.
-        if (
-            tuple(cache.shape[1:]) != (block_size, TOKEN_BYTES)
-            or cache.stride(2) != 1
-            or cache.stride(1) != TOKEN_BYTES
-            or (num_pages > 1 and cache.stride(0) != stride)
-        ):
+        if cache.stride(1) != 1:
             raise ValueError(
-                f"a 3-D k_cache must be a [num_pages, {block_size}, {TOKEN_BYTES}] view with "
-                f"strides ({stride}, {TOKEN_BYTES}, 1), got shape {tuple(cache.shape)} and "
-                f"strides {cache.stride()}"
+                f"k_cache must be contiguous in its last dimension, got strides {cache.stride()}"
             )
+    elif (
+        tuple(cache.shape[1:]) != (block_size, TOKEN_BYTES)
+        or cache.stride(2) != 1
+        or cache.stride(1) != TOKEN_BYTES
+    ):
+        raise ValueError(
+            f"a 3-D k_cache must be a [num_pages, {block_size}, {TOKEN_BYTES}] view with strides "
+            f"(>= {page}, {TOKEN_BYTES}, 1), got shape {tuple(cache.shape)} and strides "
+            f"{cache.stride()}"
+        )
+    if num_pages <= 1:
+        return cache, num_pages, page
+    stride = cache.stride(0)
+    if stride < page:
+        raise ValueError(
+            f"k_cache pages must be at least {page} bytes apart (k_cache_page_stride({block_size}))"
+            f", got stride(0) = {stride} for shape {tuple(cache.shape)}"
+        )
     return cache, num_pages, stride
 
 
@@ -182,7 +201,9 @@ def quantize_and_insert_k_cache(
             ignored, as in vLLM).
         k_cache: ``[num_pages, k_cache_page_stride(block_size)]`` uint8 (see
             :func:`empty_k_cache`), or a ``[num_pages, block_size, 584]``
-            uint8 view with that page stride.
+            uint8 view with strides ``(stride, 584, 1)``; pages may be any
+            ``stride >= k_cache_page_stride(block_size)`` bytes apart, at any
+            storage offset (vLLM's block-outer per-layer views).
         slot_mapping: ``[num_tokens]`` int64 (or int32) cache slot of each token.
         block_size: slots per page (64 for the sliding-window cache,
             ``256 // compress_ratio`` for compressed caches).
@@ -190,7 +211,8 @@ def quantize_and_insert_k_cache(
     Raises:
         ValueError: naming the argument, for wrong dtypes, ranks, devices,
             ``k`` not 512 wide or shorter than ``slot_mapping``, or a cache
-            whose page stride does not match ``block_size``.
+            whose pages are closer than ``k_cache_page_stride(block_size)``
+            or whose inner strides are not ``(584, 1)`` / ``1``.
     """
     cache, num_pages, stride = _check_k_cache(k_cache, block_size)
     device = cache.device
@@ -247,10 +269,11 @@ def _launch_insert(
         cache,
         slot_mapping,
         k.stride(0),
+        stride,
         num_tokens,
         num_pages * block_size,
         SLOTS=block_size,
-        PAGE_STRIDE=stride,
+        PAGE_ALIGNED=stride % 16 == 0,
         **_LAYOUT,
         FP8_MAX=FP8_MAX,
         AMAX_FLOOR=AMAX_FLOOR,
@@ -323,8 +346,10 @@ def dequantize_and_gather_k_cache(
     Args:
         out: ``[num_reqs, rows, 512]`` bf16 workspace, contiguous in the last
             dimension (any strides otherwise).
-        k_cache: ``[num_pages, k_cache_page_stride(block_size)]`` uint8, or a
-            ``[num_pages, block_size, 584]`` uint8 view with that page stride.
+        k_cache: as for :func:`quantize_and_insert_k_cache`: pages
+            ``stride(0) >= k_cache_page_stride(block_size)`` bytes apart,
+            2-D ``[num_pages, >= page]`` or 3-D ``[num_pages, block_size,
+            584]`` with strides ``(stride, 584, 1)``, any storage offset.
         seq_lens: ``[num_reqs]`` int32 (or int64) tokens (entries) of each
             request in the cache.
         gather_lens: ``[num_reqs]`` int32 (or int64) tokens to gather from the
@@ -342,8 +367,9 @@ def dequantize_and_gather_k_cache(
 
     Raises:
         ValueError: naming the argument, for wrong dtypes, ranks, devices,
-            lengths, ``out`` not 512 wide, a cache whose page stride does not
-            match ``block_size``, and (see ``check_values``) an ``out`` too
+            lengths, ``out`` not 512 wide, a cache whose pages are closer than
+            ``k_cache_page_stride(block_size)`` or whose inner strides are
+            wrong, and (see ``check_values``) an ``out`` too
             short for ``offset + gather_lens`` or a block table narrower than
             the longest request needs.
     """
@@ -421,6 +447,7 @@ def _launch_gather(
         seq_lens,
         gather_lens if gather_lens is not None else seq_lens,
         block_table,
+        stride,
         out.stride(0),
         out.stride(1),
         block_table.stride(0),
@@ -429,7 +456,7 @@ def _launch_gather(
         block_table.shape[1],
         cache.shape[0],
         SLOTS=block_size,
-        PAGE_STRIDE=stride,
+        PAGE_ALIGNED=stride % 16 == 0,
         **_LAYOUT,
         BIAS=UE8M0_BIAS,
         HAS_GATHER_LENS=gather_lens is not None,
