@@ -1,0 +1,255 @@
+"""The prefill forward of a DSV4 layer (dsv4_attention.prefill) on a DSV4-shaped prefill.
+
+Three layers (SWA-only, C4A, C128A), several requests of different lengths,
+one past 4 x 512 compressed entries (C4A entries past 2048; C128A clamped to
+a small row width at CPU sizes), chunked: the second step's chunk attends to
+keys the first step cached.  Keys are bf16, stored as FP8 pages in vLLM's
+block-outer layout.  Each layer's output is checked against
+
+* the dense float64 oracle on the bf16 keys, within the FP8 quantisation
+  bound (``_prefill_scenario.fp8_bound``): lse within ``E = max_j scale |q .
+  delta_j|`` (+2e-4), out within ``e^2E sum p|delta| + (e^2E - 1 + E/4 +
+  2^-7) sum p|k| + 2^-8 |out|``;
+* the same oracle on the pages' own values (the keys' UE8M0 round trip), at
+  float32/bf16 rounding (``bf16_bound``): lse to 2e-4, which one missing,
+  extra or wrong key (weight ~1/150) would break;
+* the pure-torch reference forward, at bf16 rounding.
+
+Outputs are poisoned (NaN) and live in vLLM's padded buffers: the real heads
+of the chunk's rows must all be written, padded heads and spare rows never.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from dsv4_attention.prefill import PrefillPlan, forward_prefill, reference_forward_prefill
+from dsv4_kernels.testing import fresh_seed
+from dsv4_kernels.testing.sparse_mla import random_q
+
+from ._prefill_scenario import (
+    RATIO,
+    SCALE,
+    Scenario,
+    StepInputs,
+    StepRequest,
+    bf16_bound,
+    fp8_bound,
+)
+
+
+def kernel_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def layer_kwargs(sc: Scenario, layer: str, inputs: StepInputs) -> dict[str, Any]:
+    ratio = RATIO[layer]
+    kw: dict[str, Any] = dict(
+        compress_ratio=ratio,
+        scale=SCALE,
+        swa_cache=sc.window_cache[layer],
+        swa_block_table=inputs.window_table,
+        swa_block_size=64,
+        attn_sink=sc.sinks[layer].to(sc.device),
+    )
+    if ratio > 1:
+        kw.update(
+            comp_cache=sc.comp_cache[layer],
+            comp_block_table=inputs.comp_table,
+            comp_block_size=256 // ratio,
+        )
+    if ratio == 4:
+        kw["topk_indices"] = inputs.topk_indices
+    if ratio == 128:
+        kw["c128a_topk"] = sc.c128a_topk
+    return kw
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, tol: torch.Tensor, what: str) -> None:
+    err = (got.cpu().to(torch.float64) - want).abs()
+    bad = err > tol
+    assert not bool(bad.any()), (
+        f"{what}: {int(bad.sum())} of {bad.numel()} elements off, first at "
+        f"{bad.nonzero()[0].tolist()}: got {float(got.flatten()[bad.flatten().nonzero()[0]])}, "
+        f"want {float(want.flatten()[bad.flatten().nonzero()[0]])}, "
+        f"max err/tol {float((err / tol).max()):.3g}"
+    )
+
+
+def run_scenario(
+    sc: Scenario,
+    layer_order: list[str],
+    *,
+    padded_heads: int,
+    spare_rows: int = 2,
+    expect_launches: Callable[[int], int] | None = None,
+) -> None:
+    H = sc.heads
+    for s in range(len(sc.steps)):
+        inputs = sc.prepare_step(s)
+        T = inputs.num_tokens
+        plan = PrefillPlan(inputs.query_start_loc, inputs.seq_lens, num_tokens=T)
+        for layer in layer_order:
+            what = f"seed {sc.seed} step {s} layer {layer}"
+            # vLLM's padded q and output buffers; the layer gets the real heads
+            q_pad = torch.zeros((T + spare_rows, padded_heads, 512), dtype=torch.bfloat16)
+            q_pad[:T, :H] = random_q(T, H, generator=sc.g, device="cpu")
+            q_pad = q_pad.to(sc.device)
+            out_pad = torch.full(
+                (T + spare_rows, padded_heads, 512), float("nan"), dtype=torch.bfloat16
+            ).to(sc.device)
+            lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=sc.device)
+            kw = layer_kwargs(sc, layer, inputs)
+            got = forward_prefill(q_pad[:, :H], plan, out=out_pad[:, :H], lse=lse, **kw)
+            assert got.data_ptr() == out_pad.data_ptr() and got.shape == (T, H, 512)
+            o = out_pad.cpu().float()
+            assert bool(torch.isfinite(o[:T, :H]).all()), f"{what}: unwritten or non-finite out"
+            assert bool(o[:T, H:].isnan().all()), f"{what}: wrote padded heads"
+            assert bool(o[T:].isnan().all()), f"{what}: wrote rows past the chunk"
+            assert bool(torch.isfinite(lse).all()), f"{what}: unwritten lse"
+
+            q = q_pad[:T, :H].cpu()
+            dense_rt = sc.dense(layer, inputs, q, round_trip=True)
+            dense_bf16 = sc.dense(layer, inputs, q, round_trip=False)
+            tol_out, tol_lse = bf16_bound(dense_rt)
+            assert_within(lse, dense_rt["lse"], tol_lse, f"{what}: lse vs dense (FP8 values)")
+            assert_within(o[:T, :H], dense_rt["out"], tol_out, f"{what}: out vs dense (FP8 values)")
+            tol_out, tol_lse = fp8_bound(dense_bf16)
+            assert_within(lse, dense_bf16["lse"], tol_lse, f"{what}: lse vs dense (bf16 keys)")
+            assert_within(o[:T, :H], dense_bf16["out"], tol_out, f"{what}: out vs dense (bf16)")
+            ref = reference_forward_prefill(q_pad[:, :H], plan, **kw)
+            tol_ref = 2.0**-7 * dense_rt["abs_pk"] + 2.0**-7 * dense_rt["out"].abs() + 1e-5
+            assert_within(o[:T, :H], ref.cpu().to(torch.float64), tol_ref, f"{what}: vs reference")
+        if expect_launches is not None:
+            assert plan.launches == expect_launches(s), f"step {s}: {plan.launches} launches"
+
+
+# Two steps.  Step 0: a fresh request and the first chunk of one with a cached
+# prefix.  Step 1: that request's second chunk (its window reaches into the
+# first chunk's keys) and a long request (8,300 cached tokens: 2,075+ C4A
+# entries, past 4 x 512; 64 C128A entries, clamped to the row width of 32).
+CPU_STEPS = [
+    [StepRequest("fresh", 0, 6), StepRequest("chunked", 120, 8)],
+    [StepRequest("chunked", 128, 6), StepRequest("long", 8300, 3)],
+]
+
+
+def test_dsv4_shaped_prefill() -> None:
+    sc = Scenario(
+        CPU_STEPS, heads=3, topk=16, c128a_topk=32, seed=fresh_seed(), device=kernel_device()
+    )
+    # One index launch per layer type and step: the window rows (reused by the
+    # other layers), the C4A rows, the C128A rows.
+    run_scenario(sc, ["swa", "c4a", "c128a"], padded_heads=8, expect_launches=lambda s: 3)
+
+
+def test_plan_reuses_rows_across_layers_of_a_type() -> None:
+    """A second C128A or SWA layer in the step builds nothing; C4A layers build their own."""
+    sc = Scenario(
+        CPU_STEPS[:1], heads=1, topk=8, c128a_topk=8, seed=fresh_seed(), device=kernel_device()
+    )
+    inputs = sc.prepare_step(0)
+    plan = PrefillPlan(inputs.query_start_loc, inputs.seq_lens, num_tokens=inputs.num_tokens)
+    rows = {}
+    for i, layer in enumerate(["c128a", "swa", "c128a", "c4a", "c4a"]):
+        kw = layer_kwargs(sc, layer, inputs)
+        got = plan.layer_rows(
+            kw["compress_ratio"],
+            window_block_table=kw["swa_block_table"],
+            comp_block_table=kw.get("comp_block_table"),
+            topk_indices=kw.get("topk_indices"),
+            c128a_topk=kw.get("c128a_topk"),
+        )
+        rows[i] = got
+    assert plan.launches == 3  # window + C128A together, then one per C4A layer
+    assert rows[2].comp is rows[0].comp and rows[1].window is rows[0].window
+    assert rows[3].comp is not rows[4].comp
+    # a different window block table (another KV-cache group) gets its own rows
+    other = inputs.window_table.clone()
+    plan.layer_rows(1, window_block_table=other)
+    assert plan.launches == 4
+
+
+def test_images_are_refused() -> None:
+    qsl = torch.tensor([0, 4], dtype=torch.int32)
+    seq = torch.tensor([4], dtype=torch.int32)
+    vis = torch.zeros(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="vLLM's own prefill path"):
+        PrefillPlan(qsl, seq, num_tokens=4, left_visible=vis, right_visible=vis)
+
+
+@pytest.fixture(scope="module")
+def small() -> tuple[Scenario, StepInputs, PrefillPlan]:
+    sc = Scenario(
+        [[StepRequest("a", 3, 5)]], heads=2, topk=8, c128a_topk=8, seed=5, device=kernel_device()
+    )
+    inputs = sc.prepare_step(0)
+    plan = PrefillPlan(inputs.query_start_loc, inputs.seq_lens, num_tokens=inputs.num_tokens)
+    return sc, inputs, plan
+
+
+# (layer, change, message); the last two are sparse_mla_paged's own checks, which the
+# pure-torch reference forward does not repeat.
+BAD_LAYER_ARGS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    ("swa", lambda kw: kw.update(compress_ratio=2), "compress_ratio must be one of"),
+    ("swa", lambda kw: kw.update(comp_cache=kw["swa_cache"]), "comp_cache must be given for"),
+    ("c4a", lambda kw: kw.update(comp_cache=None), "comp_cache must be given for"),
+    ("c4a", lambda kw: kw.update(topk_indices=None), "topk_indices .* is needed for C4A"),
+    ("c4a", lambda kw: kw.update(c128a_topk=8), "c128a_topk must be None for C4A"),
+    ("c4a", lambda kw: kw.update(comp_block_table=None), "comp_block_table is needed"),
+    ("c128a", lambda kw: kw.update(c128a_topk=None), "c128a_topk .* is needed"),
+    (
+        "c128a",
+        lambda kw: kw.update(topk_indices=torch.zeros((5, 8), dtype=torch.int32)),
+        "topk_indices must be None for C128A",
+    ),
+    (
+        "swa",
+        lambda kw: kw.update(comp_block_table=torch.zeros((1, 1), dtype=torch.int32)),
+        "comp_block_table must be None for SWA-only",
+    ),
+    (
+        "swa",
+        lambda kw: kw.update(out=torch.empty((5, 3, 512), dtype=torch.bfloat16)),
+        r"out must be \[>= 5, 2, 512\]",
+    ),
+]
+KERNEL_ONLY_BAD_ARGS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
+    ("swa", lambda kw: kw.update(scale=-1.0), "scale must be a finite positive"),
+    ("swa", lambda kw: kw.update(attn_sink=torch.zeros(3)), "attn_sink must have 2 entries"),
+]
+
+
+@pytest.mark.parametrize(
+    "impl,layer,change,match",
+    [("kernel", *case) for case in BAD_LAYER_ARGS + KERNEL_ONLY_BAD_ARGS]
+    + [("reference", *case) for case in BAD_LAYER_ARGS],
+)
+def test_bad_input(
+    impl: str,
+    layer: str,
+    change: Callable[[dict[str, Any]], None],
+    match: str,
+    small: tuple[Scenario, StepInputs, PrefillPlan],
+) -> None:
+    sc, inputs, plan = small
+    kw = layer_kwargs(sc, layer, inputs)
+    change(kw)
+    q = random_q(5, 2, generator=sc.g, device=sc.device)
+    fn = forward_prefill if impl == "kernel" else reference_forward_prefill
+    with pytest.raises(ValueError, match=match):
+        fn(q, plan, **kw)
+
+
+def test_q_shorter_than_the_chunk_is_refused(
+    small: tuple[Scenario, StepInputs, PrefillPlan],
+) -> None:
+    sc, inputs, plan = small
+    kw = layer_kwargs(sc, "swa", inputs)
+    q = random_q(4, 2, generator=sc.g, device=sc.device)
+    with pytest.raises(ValueError, match=r"q must have at least plan\.num_tokens"):
+        forward_prefill(q, plan, **kw)
