@@ -177,19 +177,17 @@ def test_mappings_merge_key_by_key(tmp_path):
         tmp_path,
         "spec.yaml",
         """
-        dsv4: {extends: h200-tp8-ep-mtp}
+        dsv4: {extends: h200-tp8-ep-dspark}
         speculative-config: {num_speculative_tokens: 3}
         """,
     )
     config = resolve_serve(str(path))
-    assert config.args["speculative-config"] == {"method": "mtp", "num_speculative_tokens": 3}
+    want = {"method": "dspark", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
+    assert config.args["speculative-config"] == want
     argv = config.to_argv()
     import json
 
-    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {
-        "method": "mtp",
-        "num_speculative_tokens": 3,
-    }
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == want
 
 
 def test_set_overrides():
@@ -292,12 +290,13 @@ def test_multi_node_presets_render_every_node():
 
 
 def test_ray_preset_setup_lines():
-    head = resolve_serve("dp16-ep-ray", sets=["data-parallel-address=10.0.0.9"])
-    assert head.setup_lines() == ["ray start --head --node-ip-address=10.0.0.9 --port=6379"]
+    head = resolve_serve("dp16-ep-ray")
+    assert head.setup_lines() == ["ray start --head --port=6379"]
     worker = head.for_node("worker")
     assert worker.node_spec is not None and worker.node_spec.serve is False
-    assert worker.setup_lines() == ["ray start --address=10.0.0.9:6379 --block"]
+    assert worker.setup_lines() == ['ray start --address="$RAY_HEAD_IP:6379" --block']
     assert head.args["data-parallel-backend"] == "ray"
+    assert "data-parallel-address" not in head.args and head.required == {}
 
 
 def test_render_cli_multi_node(capsys):
@@ -399,12 +398,76 @@ def test_presets_cli_lists_one_line_each(capsys):
     assert any(line.startswith("h200-tp8-ep ") and "serve" in line for line in lines)
 
 
-def test_b200_adds_blackwell_kernels():
-    b200 = resolve_serve("b200-tp8-ep")
-    h200 = resolve_serve("h200-tp8-ep")
-    assert b200.hardware["arch"] == "blackwell" and h200.hardware["arch"] == "hopper"
-    extra = {k: v for k, v in b200.args.items() if h200.args.get(k) != v}
-    assert extra == {"moe-backend": "flashinfer_trtllm"}
+@pytest.mark.parametrize(
+    ("name", "hopper", "sets"),
+    [
+        ("b200-tp8-ep", "h200-tp8-ep", []),
+        ("b200-dp8-ep", "h200-dp8-ep", []),
+        ("b300-tp8-ep", "h200-tp8-ep", ["enable-prefix-caching=true"]),
+        ("gb200-tp4-ep", "h200-tp8-ep", ["enable-prefix-caching=true", "tensor-parallel-size=4"]),
+    ],
+)
+def test_blackwell_presets_run_the_recipes_kernels(name, hopper, sets):
+    blackwell = resolve_serve(name)
+    h200 = resolve_serve(hopper, sets=sets)
+    assert blackwell.hardware["arch"] == "blackwell" and h200.hardware["arch"] == "hopper"
+    extra = {k: v for k, v in blackwell.args.items() if h200.args.get(k) != v}
+    assert extra == {
+        "moe-backend": "deep_gemm_mega_moe",
+        "attention-config": {"indexer_kv_dtype": "mxfp4"},
+    }
+    argv = blackwell.to_argv()
+    assert argv[argv.index("--attention-config") + 1] == '{"indexer_kv_dtype": "mxfp4"}'
+
+
+@pytest.mark.parametrize(
+    "name",
+    [n for n in serve_preset_names() if "-dp" in n or n.startswith("dp")],
+)
+def test_data_parallel_presets_use_the_recipes_cuda_graphs(name):
+    config = resolve_serve(name, sets=["data-parallel-address=10.0.0.1"])
+    assert config.args["data-parallel-size"] > 1
+    assert config.args["compilation-config"] == {
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
+        "custom_ops": ["all"],
+    }
+
+
+def test_every_node_type_has_a_latency_and_a_throughput_preset():
+    names = set(serve_preset_names())
+    for gpu, tp, dp in (
+        ("h200", "tp8", "dp8"),
+        ("b200", "tp8", "dp8"),
+        ("b300", "tp8", "dp8"),
+        ("gb200", "tp4", "dp4"),
+        ("mi355x", "tp8", "dp8"),
+    ):
+        latency, throughput = f"{gpu}-{tp}-ep", f"{gpu}-{dp}-ep"
+        assert {latency, throughput} <= names
+        assert "latency" in resolve_serve(latency).description
+        assert "throughput" in resolve_serve(throughput).description
+
+
+def test_long_context_preset_fits_the_deepest_reasoning_mode():
+    config = resolve_serve("h200-dp8-ep-long")
+    assert config.args["max-model-len"] >= 393_216
+    assert config.purpose == "production"
+
+
+def test_prefill_decode_split_renders_every_role_and_the_router(capsys):
+    from dsv4_presets.cli import main
+
+    for name, connector in (("h200-pd-nixl", "NixlConnector"), ("h200-pd-mooncake", "Mooncake")):
+        config = resolve_serve(name)
+        assert config.same_host and config.node_names == ["prefill", "decode", "router"]
+        prefill, decode = config.for_node("prefill"), config.for_node("decode")
+        assert prefill.env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+        assert decode.env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
+        assert connector in prefill.args["kv-transfer-config"]["kv_connector"]
+        assert main(["render", name]) == 0
+        out = capsys.readouterr().out
+        assert "vllm-router --pd-disaggregation --prefill http://127.0.0.1:8100" in out
+        assert out.count("vllm serve ") == 2
 
 
 def test_dp8_preset():

@@ -39,14 +39,31 @@ FAILING = [
     ("kv-cache-fp8", ["kv-cache-dtype=null"], "set kv-cache-dtype: fp8"),
     ("block-size-256", ["block-size=128"], "set block-size: 256"),
     ("block-size-256", ["block-size=null"], "set block-size: 256"),
-    ("blackwell-only", ["moe-backend=flashinfer_trtllm"], "remove moe-backend"),
+    ("kernel-platform", ["moe-backend=flashinfer_trtllm"], "remove moe-backend"),
+    ("kernel-platform", ["moe-backend=deep_gemm_mega_moe"], "SM100"),
+    ("kernel-platform", ["attention-config.indexer_kv_dtype=mxfp4"], "use a Blackwell preset"),
+    ("kernel-platform", ["moe-backend=aiter"], "ROCm only"),
     (
-        "blackwell-only",
+        "kernel-platform",
         ["attention-backend=FLASHINFER_MLA_SPARSE_DSV4"],
         "remove attention-backend",
     ),
-    ("speculative-method", ["speculative-config.method=eagle3"], "use method: mtp"),
-    ("speculative-method", ["speculative-config.method=dspark"], "use method: mtp"),
+    (
+        "mega-moe-expert-parallel",
+        ["moe-backend=deep_gemm_mega_moe", "enable-expert-parallel=false"],
+        "set enable-expert-parallel: true",
+    ),
+    (
+        "indexer-cache",
+        ["attention-config.use_fp4_indexer_cache=true"],
+        "indexer_kv_dtype: mxfp4 instead",
+    ),
+    ("indexer-cache", ["attention-config.indexer_kv_dtype=bf16"], "takes only auto, fp8, mxfp4"),
+    ("speculative-method", ["speculative-config.method=eagle3"], "use method: dspark"),
+    # The 0731 checkpoint ships a DSpark drafter: MTP would half-load it.
+    ("speculative-method", ["speculative-config.method=mtp"], "use method: dspark"),
+    ("speculative-method", ["speculative-config.method=deepseek_mtp"], "not an MTP head"),
+    ("max-model-len", ["max-model-len=2M"], "at most 1048576"),
     ("tp-fp8-alignment", ["tensor-parallel-size=3"], "use one of 1, 2, 4, 8, 16, 32, 64"),
     ("tp-fp8-alignment", ["tensor-parallel-size=6"], "64 attention heads"),
     ("auto-tool-choice-parser", ["tool-call-parser=null"], "set tool-call-parser: deepseek_v4"),
@@ -77,8 +94,13 @@ def test_rule_fails_with_a_message_that_says_what_to_change(rule, sets, fix):
 PASSING = [
     ("kv-cache-fp8", ["kv-cache-dtype=fp8_ds_mla"]),
     ("block-size-256", ["block-size=256"]),
-    ("speculative-method", ["speculative-config.method=mtp"]),
-    ("speculative-method", ["speculative-config.method=deepseek_mtp"]),
+    ("speculative-method", ["speculative-config.method=dspark"]),
+    (
+        "speculative-method",
+        ["speculative-config.method=dspark", "speculative-config.num_speculative_tokens=3"],
+    ),
+    ("max-model-len", ["max-model-len=393216"]),
+    ("max-model-len", ["max-model-len=1M"]),
     ("speculative-method", ["speculative-config.method=ngram"]),
     ("speculative-method", ["speculative-config.method=eagle3", "speculative-config.model=/d"]),
     ("tp-fp8-alignment", ["tensor-parallel-size=4"]),
@@ -100,7 +122,66 @@ def test_rule_passes(rule, sets):
 
 def test_blackwell_options_pass_on_b200():
     config = serve("b200-tp8-ep", "attention-backend=FLASHINFER_MLA_SPARSE_DSV4")
-    assert "blackwell-only" not in rules_hit(validate(config, with_vllm=False))
+    assert "kernel-platform" not in rules_hit(validate(config, with_vllm=False))
+
+
+def test_mtp_is_accepted_only_for_a_checkpoint_that_declares_an_mtp_head(tmp_path: Path):
+    path = tmp_path / "mtp-ckpt.yaml"
+    path.write_text(
+        "dsv4:\n  extends: [h200-tp8-ep, feature/mtp]\n"
+        "  checkpoint: {name: ckpt-with-mtp, num_attention_heads: 64, head_dim: 512,"
+        " fp8_weight_block: 128, drafter: mtp}\n"
+    )
+    assert validate(resolve_serve(str(path)), with_vllm=False) == []
+    dspark = validate(
+        resolve_serve(str(path), sets=["speculative-config.method=dspark"]), with_vllm=False
+    )
+    assert [f.rule for f in dspark] == ["speculative-method"]
+    assert "ships an MTP head, not a DSpark drafter" in dspark[0].message
+
+
+def test_dspark_preset_drafts_with_the_recipe_settings():
+    config = serve("h200-tp8-ep-dspark")
+    assert config.checkpoint["drafter"] == "dspark"
+    assert config.args["speculative-config"] == {
+        "method": "dspark",
+        "num_speculative_tokens": 7,
+        "draft_sample_method": "probabilistic",
+    }
+    many = validate(serve("h200-tp8-ep-dspark", "speculative-config.num_speculative_tokens=12"))
+    assert [(f.level, f.rule) for f in many] == [("warning", "speculative-method")]
+
+
+def test_rocm_presets_name_nvidia_kernels_as_such():
+    config = serve("mi355x-tp8-ep", "moe-backend=deep_gemm_mega_moe")
+    hits = [f for f in validate(config, with_vllm=False) if f.rule == "kernel-platform"]
+    assert len(hits) == 1 and "is an NVIDIA kernel" in hits[0].message
+    assert "runs ROCm" in hits[0].message and "Hopper" not in hits[0].message
+    # The NVIDIA-only rule is not run there, and the report says so.
+    from dsv4_presets import check
+
+    report = check(serve("mi355x-tp8-ep"), with_vllm=False)
+    assert report.findings == []
+    assert any("mega-moe-expert-parallel is NVIDIA-specific" in n for n in report.notes)
+    fp4 = validate(serve("mi355x-tp8-ep", "attention-config.indexer_kv_dtype=mxfp4"))
+    assert [f.rule for f in fp4] == ["indexer-cache"] and "V4.1 only" in fp4[0].message
+
+
+def test_same_host_split_rules():
+    assert validate(serve("h200-pd-nixl"), with_vllm=False) == []
+    assert validate(serve("h200-pd-mooncake"), with_vllm=False) == []
+    too_big = validate(serve("h200-pd-nixl", "tensor-parallel-size=8"), with_vllm=False)
+    assert "gpus-per-node" in rules_hit(too_big)
+    assert any("prefill 8 + decode 8 = 16 GPUs" in f.message for f in too_big)
+    assert "same-host-split" in rules_hit(too_big)  # 4 visible GPUs for an 8-GPU role
+    shared = validate(serve("h200-pd-nixl", "port=9000"), with_vllm=False)
+    assert any("roles share a API port" in f.message for f in shared)
+    same_role = validate(
+        serve("h200-pd-mooncake", "kv-transfer-config.kv_role=kv_producer"), with_vllm=False
+    )
+    assert any("one kv_producer" in f.message for f in same_role)
+    overlap = validate(serve("h200-pd-nixl", "env.CUDA_VISIBLE_DEVICES=0,1,2,3"), with_vllm=False)
+    assert any("GPU 0 is given to both prefill and decode" in f.message for f in overlap)
 
 
 def test_benchmark_prefix_caching_is_a_warning():
@@ -138,6 +219,9 @@ def test_dp_topology_rules():
     assert any("data-parallel-address is not set" in m for m in msgs)
     ray_headless = serve("dp16-ep-ray", ADDR, "headless=true")
     assert "dp-topology" in rules_hit(validate(ray_headless, with_vllm=False))
+    # vLLM's Ray backend finds the head's address itself: the preset needs none.
+    assert validate(serve("dp16-ep-ray"), with_vllm=False) == []
+    assert "data-parallel-address" not in serve("dp16-ep-ray").args
 
 
 def test_unknown_keys_in_user_files_are_errors_not_dropped(tmp_path: Path):
@@ -172,6 +256,7 @@ def test_every_rule_is_listed_and_has_a_failing_case():
         "benchmark-prefix-caching",
         "required-setting",
         "dp-topology",
+        "same-host-split",
     }
     assert listed <= covered, listed - covered
 

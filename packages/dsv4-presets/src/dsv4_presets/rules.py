@@ -4,6 +4,11 @@ Every rule is a function from a resolved preset to findings; :data:`SERVE_RULES`
 and :data:`BENCH_RULES` list them with a one-line summary (``dsv4 validate
 --rules`` prints them).  None of them needs vLLM: option names and value types
 are checked against the option tables shipped in :mod:`dsv4_presets.schema`.
+This module holds the checkpoint and option rules and the registry; kernel
+and GPU rules are in :mod:`dsv4_presets.rules_platform`, placement rules in
+:mod:`dsv4_presets.rules_topology`.  A rule that only means something on
+NVIDIA GPUs names its platforms; on other hardware it is reported as not
+applied (:func:`not_applied`) rather than run.
 """
 
 from __future__ import annotations
@@ -12,53 +17,41 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dsv4_presets.configs import BenchConfig, ServeConfig
 from dsv4_presets.findings import Finding
-from dsv4_presets.presets import BenchConfig, ServeConfig
-from dsv4_presets.schema import OptionTable, check_value, shipped_table
+from dsv4_presets.rules_platform import (
+    rule_indexer_cache,
+    rule_kernel_platform,
+    rule_mega_moe_expert_parallel,
+    vendor,
+)
+from dsv4_presets.rules_topology import (
+    as_int,
+    rule_dp_topology,
+    rule_gpus_per_node,
+    rule_same_host_split,
+    truthy,
+)
+from dsv4_presets.schema import OptionTable, check_value, human_int, shipped_table
 
 # kv-cache-dtype values that select DSV4's UE8M0 FP8 page layout ("fp8" is
 # vLLM's alias for fp8_ds_mla on DSV4's FlashMLA sparse backend).
 DSV4_KV_CACHE_DTYPES = ("fp8", "fp8_ds_mla")
 DSV4_BLOCK_SIZE = 256
 
-# Option values that need Blackwell (SM 10.x) and fail or are refused on Hopper.
-# From vLLM 0.32's kernels: each one's capability check names SM100.
-BLACKWELL_ONLY: dict[str, dict[str, str]] = {
-    "attention-backend": {
-        "FLASHINFER_MLA_SPARSE_DSV4": "FlashInfer's DSV4 sparse MLA runs on SM 10.x/12.x only",
-        "FLASHINFER_MLA_SPARSE": "FlashInfer's TRT-LLM sparse MLA kernels run on SM 10.x only",
-        "FLASHINFER_MLA": "FlashInfer's MLA kernels run on SM 10.x only",
-        "CUTLASS_MLA": "CUTLASS MLA kernels run on SM 10.x only",
-        "TOKENSPEED_MLA": "TokenSpeed MLA kernels run on SM 10.x only",
-    },
-    "moe-backend": {
-        "flashinfer_trtllm": "TRT-LLM-gen MXFP4 MoE kernels run on SM 10.x only",
-    },
-    "kv-cache-dtype": {
-        "nvfp4": "FP4 KV cache needs Blackwell's FP4 tensor cores",
-        "nvfp4_ds_mla": "FP4 KV cache needs Blackwell's FP4 tensor cores",
-    },
-}
-
 # Speculative methods that need a separate draft model (``speculative-config.model``).
 DRAFT_MODEL_METHODS = ("eagle", "eagle3", "draft_model", "medusa", "mlp_speculator", "dflash")
 # Methods that need no weights at all.
 MODEL_FREE_METHODS = ("ngram", "ngram_gpu", "suffix")
-
-
-def _truthy(value: Any) -> bool:
-    return value is True or (isinstance(value, str) and value.lower() in ("true", "1", "yes"))
-
-
-def _int(value: Any, default: int) -> int:
-    if value is None:
-        return default
-    if isinstance(value, bool):
-        return default
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
+# vLLM 0.32 methods that load each drafter a checkpoint can declare
+# (``dsv4.checkpoint.drafter``): an MTP head or DSpark stages
+# (vllm/config/speculative.py: MTPModelTypes, DSparkModelTypes).
+DRAFTER_METHODS: dict[str, tuple[str, ...]] = {
+    "mtp": ("mtp", "deepseek_mtp"),
+    "dspark": ("dspark",),
+}
+# Draft tokens per step the DeepSeek-V4 recipes use with DSpark.
+DSPARK_TOKENS = (3, 7)
 
 
 # --------------------------------------------------------------------------- #
@@ -137,7 +130,7 @@ def rule_kv_cache_fp8(config: ServeConfig) -> list[Finding]:
 def rule_block_size(config: ServeConfig) -> list[Finding]:
     """The KV block size must be 256 tokens."""
     value = config.args.get("block-size")
-    if _int(value, -1) == DSV4_BLOCK_SIZE and not isinstance(value, bool):
+    if as_int(value, -1) == DSV4_BLOCK_SIZE and not isinstance(value, bool):
         return []
     shown = "unset (vLLM would pick its default)" if value is None else repr(value)
     return [
@@ -151,31 +144,6 @@ def rule_block_size(config: ServeConfig) -> list[Finding]:
     ]
 
 
-def rule_blackwell_only(config: ServeConfig) -> list[Finding]:
-    """Blackwell-only options on a Hopper (or other non-Blackwell) preset."""
-    arch = str(config.hardware.get("arch", "")).lower()
-    if not arch or arch == "blackwell":
-        return []
-    gpu = config.hardware.get("name", arch)
-    findings = []
-    for key, values in BLACKWELL_ONLY.items():
-        value = config.args.get(key)
-        if value is None:
-            continue
-        lookup = {k.lower(): (k, why) for k, why in values.items()}
-        hit = lookup.get(str(value).lower())
-        if hit:
-            findings.append(
-                Finding(
-                    "error",
-                    "blackwell-only",
-                    f"{key}: {hit[0]} on {gpu} ({arch}): {hit[1]}; remove {key} "
-                    "(vLLM picks the Hopper kernel) or use a B200 preset",
-                )
-            )
-    return findings
-
-
 def _speculative_method(config: ServeConfig) -> tuple[str | None, dict[str, Any]]:
     spec = config.args.get("speculative-config")
     spec = spec if isinstance(spec, dict) else {}
@@ -183,40 +151,94 @@ def _speculative_method(config: ServeConfig) -> tuple[str | None, dict[str, Any]
     return (None if method is None else str(method)), spec
 
 
+def _supported_methods(config: ServeConfig) -> tuple[str | None, list[str]]:
+    """The drafter the checkpoint declares and the vLLM methods that load it."""
+    drafter = config.checkpoint.get("drafter")
+    drafter = None if drafter in (None, "none") else str(drafter)
+    methods = list(DRAFTER_METHODS.get(drafter, ())) if drafter else []
+    methods += [str(m) for m in config.checkpoint.get("speculative_methods", [])]
+    return drafter, methods
+
+
 def rule_speculative_method(config: ServeConfig) -> list[Finding]:
-    """The speculative method must be one the checkpoint's weights support."""
+    """The speculative method must load the drafter the checkpoint declares."""
     method, spec = _speculative_method(config)
     if method is None:
         return []
-    supported = [str(m) for m in config.checkpoint.get("speculative_methods", [])]
+    drafter, supported = _supported_methods(config)
     ckpt = config.checkpoint.get("name", "this checkpoint")
-    if method in MODEL_FREE_METHODS or method in supported:
+    if method in MODEL_FREE_METHODS:
         return []
+    if method in supported:
+        return _dspark_tokens(spec) if method == "dspark" else []
     has_draft = bool(spec.get("model") or config.args.get("spec-model"))
     if method in DRAFT_MODEL_METHODS and has_draft:
         return []
     use = f"use method: {supported[0]}" if supported else "remove speculative-config"
     if method in DRAFT_MODEL_METHODS:
         reason = f"method {method!r} needs a separate draft model (speculative-config.model)"
+    elif method in DRAFTER_METHODS["mtp"] and drafter == "dspark":
+        reason = (
+            f"{ckpt} ships a DSpark drafter (DSpark stages under mtp.*), not an MTP head; "
+            f"method {method!r} reads those weights as an MTP head and can half-load the "
+            "drafter's blocks instead of failing"
+        )
+    elif method == "dspark" and drafter == "mtp":
+        reason = f"{ckpt} ships an MTP head, not a DSpark drafter"
     else:
         reason = f"{ckpt}'s weights do not provide {method!r} drafting"
-    shipped = ", ".join(supported) if supported else "none"
+    shipped = drafter or "none"
     return [
         Finding(
             "error",
             "speculative-method",
             f"speculative method {method!r} does not match {ckpt}: {reason}; "
-            f"it ships draft layers for: {shipped}; {use}",
+            f"its drafter: {shipped}; {use}",
+        )
+    ]
+
+
+def _dspark_tokens(spec: dict[str, Any]) -> list[Finding]:
+    tokens = as_int(spec.get("num_speculative_tokens"), 0)
+    low, high = DSPARK_TOKENS
+    if tokens == 0 or low <= tokens <= high:
+        return []
+    return [
+        Finding(
+            "warning",
+            "speculative-method",
+            f"speculative-config.num_speculative_tokens {tokens} for DSpark: the DeepSeek-V4 "
+            f"recipes draft {low} to {high} tokens per step",
+        )
+    ]
+
+
+def rule_max_model_len(config: ServeConfig) -> list[Finding]:
+    """``max-model-len`` stays within the checkpoint's context length."""
+    limit = as_int(config.checkpoint.get("max_context"), 0)
+    value = config.args.get("max-model-len")
+    if limit < 1 or value is None:
+        return []
+    length = human_int(value)
+    if length is None or length <= limit:
+        return []
+    ckpt = config.checkpoint.get("name", "this checkpoint")
+    return [
+        Finding(
+            "error",
+            "max-model-len",
+            f"max-model-len {value} is longer than {ckpt}'s context of {limit:,} tokens: "
+            f"set max-model-len to at most {limit}",
         )
     ]
 
 
 def rule_tp_fp8_alignment(config: ServeConfig) -> list[Finding]:
     """Tensor-parallel sizes must split the heads into whole FP8 weight blocks."""
-    heads = _int(config.checkpoint.get("num_attention_heads"), 0)
-    head_dim = _int(config.checkpoint.get("head_dim"), 0)
-    block = _int(config.checkpoint.get("fp8_weight_block"), 0)
-    tp = _int(config.args.get("tensor-parallel-size"), 1)
+    heads = as_int(config.checkpoint.get("num_attention_heads"), 0)
+    head_dim = as_int(config.checkpoint.get("head_dim"), 0)
+    block = as_int(config.checkpoint.get("fp8_weight_block"), 0)
+    tp = as_int(config.args.get("tensor-parallel-size"), 1)
     if tp < 1 or heads < 1:
         return []
     ckpt = config.checkpoint.get("name", "this checkpoint")
@@ -254,7 +276,7 @@ def _aligned(heads: int, head_dim: int, block: int, tp: int) -> bool:
 
 def rule_auto_tool_choice(config: ServeConfig) -> list[Finding]:
     """``enable-auto-tool-choice`` needs a ``tool-call-parser``."""
-    if _truthy(config.args.get("enable-auto-tool-choice")) and not config.args.get(
+    if truthy(config.args.get("enable-auto-tool-choice")) and not config.args.get(
         "tool-call-parser"
     ):
         expected = config.checkpoint.get("parsers", {}).get("tool-call-parser")
@@ -312,115 +334,6 @@ def rule_benchmark_prefix_caching(config: ServeConfig) -> list[Finding]:
     ]
 
 
-def rule_gpus_per_node(config: ServeConfig) -> list[Finding]:
-    """One node's engines must fit on its GPUs."""
-    gpus = _int(config.hardware.get("gpus_per_node"), 0)
-    if gpus < 1:
-        return []
-    tp = _int(config.args.get("tensor-parallel-size"), 1)
-    pp = _int(config.args.get("pipeline-parallel-size"), 1)
-    dp = _int(config.args.get("data-parallel-size"), 1)
-    dp_local = _int(config.args.get("data-parallel-size-local"), dp)
-    need = tp * pp * dp_local
-    if need <= gpus:
-        return []
-    gpu = config.hardware.get("name", "GPU")
-    return [
-        Finding(
-            "error",
-            "gpus-per-node",
-            f"this node would run tensor-parallel {tp} x pipeline-parallel {pp} x "
-            f"local data-parallel {dp_local} = {need} GPUs, but the node has {gpus} {gpu} GPUs: "
-            "lower tensor-parallel-size or data-parallel-size-local",
-        )
-    ]
-
-
-def rule_dp_topology(config: ServeConfig) -> list[Finding]:
-    """Multi-node data parallel: ranks, addresses and headless workers must agree."""
-    findings: list[Finding] = []
-    dp = _int(config.args.get("data-parallel-size"), 1)
-    dp_local = config.args.get("data-parallel-size-local")
-    local = _int(dp_local, dp)
-    start = config.args.get("data-parallel-start-rank")
-    headless = _truthy(config.args.get("headless"))
-    backend = str(config.args.get("data-parallel-backend", "mp"))
-    if local < 1 or dp < 1:
-        return findings
-    if dp % local:
-        findings.append(
-            Finding(
-                "error",
-                "dp-topology",
-                f"data-parallel-size {dp} is not a multiple of data-parallel-size-local "
-                f"{local}: every node must run the same number of ranks",
-            )
-        )
-    multi_node = dp > local
-    if (
-        multi_node
-        and config.args.get("data-parallel-address") in (None, "")
-        and not (config.required.get("data-parallel-address"))
-    ):
-        findings.append(
-            Finding(
-                "error",
-                "dp-topology",
-                f"data-parallel-size {dp} spans nodes ({local} per node) but "
-                "data-parallel-address is not set: set it to the head node's IP on every node",
-            )
-        )
-    if headless and backend == "ray":
-        findings.append(
-            Finding(
-                "error",
-                "dp-topology",
-                "headless is for vLLM's native (mp) data parallel; with data-parallel-backend "
-                "ray the workers join the Ray cluster (ray start) and run no vllm serve",
-            )
-        )
-    if headless and start is None and backend != "ray":
-        findings.append(
-            Finding(
-                "error",
-                "dp-topology",
-                "a headless node needs data-parallel-start-rank (its first rank: node index "
-                f"x {local})",
-            )
-        )
-    if start is not None:
-        first = _int(start, -1)
-        if first < 0 or first >= dp or first % local:
-            findings.append(
-                Finding(
-                    "error",
-                    "dp-topology",
-                    f"data-parallel-start-rank {start!r} must be a multiple of "
-                    f"data-parallel-size-local ({local}) below data-parallel-size ({dp})",
-                )
-            )
-        elif first == 0 and headless:
-            findings.append(
-                Finding(
-                    "error",
-                    "dp-topology",
-                    "the node with data-parallel-start-rank 0 is the head and must not be headless",
-                )
-            )
-    if config.nodes and multi_node and backend != "ray":
-        serving = [n for n in config.nodes if n.serve]
-        if len(serving) * local != dp:
-            findings.append(
-                Finding(
-                    "error",
-                    "dp-topology",
-                    f"{len(serving)} node kinds x {local} local ranks != data-parallel-size "
-                    f"{dp}; add a node entry per node (with its data-parallel-start-rank)",
-                )
-            )
-    return findings
-
-
 # --------------------------------------------------------------------------- #
 # Bench rules
 # --------------------------------------------------------------------------- #
@@ -447,7 +360,7 @@ def rule_bench_temperature(config: BenchConfig) -> list[Finding]:
 
 def rule_bench_ignore_eos(config: BenchConfig) -> list[Finding]:
     """Random-dataset benchmarks should ignore EOS so every request produces its output length."""
-    if config.dataset_name == "random" and not _truthy(config.get("ignore-eos")):
+    if config.dataset_name == "random" and not truthy(config.get("ignore-eos")):
         return [
             Finding(
                 "warning",
@@ -461,11 +374,12 @@ def rule_bench_ignore_eos(config: BenchConfig) -> list[Finding]:
 
 @dataclass(frozen=True)
 class Rule:
-    """A named check and what it is for."""
+    """A named check, what it is for, and the GPU vendors it means something on."""
 
     name: str
     summary: str
     check: Callable[[Any], list[Finding]]
+    vendors: tuple[str, ...] = ("nvidia", "amd")
 
 
 SERVE_RULES: tuple[Rule, ...] = (
@@ -483,10 +397,25 @@ SERVE_RULES: tuple[Rule, ...] = (
         "kv-cache-fp8", "kv-cache-dtype must be fp8 (DSV4's UE8M0 page layout)", rule_kv_cache_fp8
     ),
     Rule("block-size-256", "block-size must be 256", rule_block_size),
-    Rule("blackwell-only", "no Blackwell-only kernels on Hopper", rule_blackwell_only),
+    Rule(
+        "kernel-platform",
+        "kernels match the GPU (SM 10.x kernels on Blackwell, NVIDIA kernels not on ROCm)",
+        rule_kernel_platform,
+    ),
+    Rule(
+        "mega-moe-expert-parallel",
+        "moe-backend deep_gemm_mega_moe has expert parallel",
+        rule_mega_moe_expert_parallel,
+        vendors=("nvidia",),
+    ),
+    Rule(
+        "indexer-cache",
+        "the indexer cache dtype is spelled as vLLM 0.32 reads it and DSV4 supports it",
+        rule_indexer_cache,
+    ),
     Rule(
         "speculative-method",
-        "speculative method matches the checkpoint's draft layers",
+        "speculative method loads the drafter the checkpoint declares",
         rule_speculative_method,
     ),
     Rule(
@@ -504,6 +433,7 @@ SERVE_RULES: tuple[Rule, ...] = (
         "tokenizer mode and parsers match the checkpoint",
         rule_checkpoint_parsers,
     ),
+    Rule("max-model-len", "max-model-len within the checkpoint's context", rule_max_model_len),
     Rule(
         "benchmark-prefix-caching",
         "benchmark presets keep prefix caching off (warning)",
@@ -514,6 +444,11 @@ SERVE_RULES: tuple[Rule, ...] = (
         "dp-topology",
         "multi-node data-parallel ranks, address and headless agree",
         rule_dp_topology,
+    ),
+    Rule(
+        "same-host-split",
+        "roles sharing a node have their own GPUs and ports and one KV connector",
+        rule_same_host_split,
     ),
 )
 
@@ -529,11 +464,23 @@ BENCH_RULES: tuple[Rule, ...] = (
 
 
 def check_serve(config: ServeConfig) -> list[Finding]:
-    """All serve rules on one node's configuration."""
+    """The serve rules that apply to this preset's GPU vendor, on one node's configuration."""
     findings: list[Finding] = []
     for rule in SERVE_RULES:
-        findings += rule.check(config)
+        if vendor(config) in rule.vendors:
+            findings += rule.check(config)
     return findings
+
+
+def not_applied(config: ServeConfig) -> list[str]:
+    """Notes naming the rules that do not apply to this preset's GPU vendor, and why."""
+    gpu = config.hardware.get("name", vendor(config))
+    return [
+        f"rule {rule.name} is {'/'.join(v.upper() for v in rule.vendors)}-specific: "
+        f"not applied to {gpu} ({vendor(config)})"
+        for rule in SERVE_RULES
+        if vendor(config) not in rule.vendors
+    ]
 
 
 def check_bench(config: BenchConfig) -> list[Finding]:

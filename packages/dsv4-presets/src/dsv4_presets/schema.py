@@ -31,6 +31,7 @@ import argparse
 import difflib
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -268,6 +269,32 @@ def _check_scalar(spec: OptionSpec, value: object) -> str | None:
         shown = ", ".join(spec.choices)
         return f"{_scalar_text(value)!r} is not one of: {shown}"
     return None
+
+
+def human_int(value: object) -> int | None:
+    """The integer an ``int`` or human-readable value stands for, as vLLM reads it.
+
+    ``16k`` is 16,000 and ``16K`` 16,384 (``vllm.utils.argparse_utils.human_readable_int``);
+    ``None`` when ``value`` is not such a number (``-1``/``auto`` included).
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if not isinstance(value, str):
+        return None
+    text = value.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text)
+    if not match:
+        return None
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 10 ** (3 * "kmgt".index(suffix) + 3))
+    if "." in number:
+        return None
+    return int(number) * 2 ** (10 * "KMGT".index(suffix) + 10)
 
 
 def _human_int_ok(text: str) -> bool:

@@ -2,10 +2,39 @@
 
 from __future__ import annotations
 
+import re
+
 from dsv4_presets import rules
+from dsv4_presets.configs import BenchConfig, ServeConfig
 from dsv4_presets.findings import Finding, Report
-from dsv4_presets.presets import BenchConfig, ServeConfig
+from dsv4_presets.schema import shipped_table
 from dsv4_presets.vllm_exec import vllm_available
+
+
+def version_tuple(text: str) -> tuple[int, int, int] | None:
+    """``"0.32.0"`` -> ``(0, 32, 0)``; ``"0.32.1.dev3+gabc"`` -> ``(0, 32, 1)``; else None."""
+    match = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+    if not match:
+        return None
+    return int(match[1]), int(match[2]), int(match[3] or 0)
+
+
+def check_min_vllm(config: ServeConfig, installed: str) -> list[Finding]:
+    """An error when the installed vLLM is older than the preset's ``dsv4.min_vllm``."""
+    if config.min_vllm is None:
+        return []
+    want, have = version_tuple(config.min_vllm), version_tuple(installed)
+    if want is None or have is None or have >= want:
+        return []
+    return [
+        Finding(
+            "error",
+            "vllm-version",
+            f"preset {config.name} needs vLLM >= {config.min_vllm} (the release its options "
+            f"and DSV4 code paths were checked against); this vLLM is {installed}: upgrade "
+            f"(pip install 'dsv4-presets[vllm]')",
+        )
+    ]
 
 
 def check(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -> Report:
@@ -40,8 +69,10 @@ def check(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -
     if not isinstance(config, ServeConfig):
         raise TypeError(f"config must be a ServeConfig or BenchConfig, got {type(config).__name__}")
 
-    targets = [config.for_node(n) for n in config.node_names] if config.nodes else [config]
+    targets = config.all_nodes()
     per_node: list[list[Finding]] = []
+    for note in rules.not_applied(config):
+        report.notes.append(note)
     for target in targets:
         found = rules.check_serve(target)
         if use_vllm and (target.node_spec is None or target.node_spec.serve):
@@ -53,6 +84,7 @@ def check(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -
                 if note not in report.notes:
                     report.notes.append(note)
             report.vllm_version = vllm_check.vllm_version()
+            found += check_min_vllm(target, report.vllm_version)
         per_node.append(found)
     seen: set[tuple[str, str, str]] = set()
     for target, found in zip(targets, per_node, strict=False):
@@ -67,9 +99,11 @@ def check(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -
                 seen.add(key)
                 report.findings.append(Finding(finding.level, finding.rule, text))
     if not use_vllm:
+        table = shipped_table("serve")
         report.notes.append(
             "vLLM not used: option names and types were checked against the shipped "
-            "vLLM 0.32 option table only; install vLLM for its parser and registries"
+            f"vLLM {table.vllm_version} option table only; install vLLM for its parser, "
+            "registries and the minimum-version check"
         )
     return report
 
