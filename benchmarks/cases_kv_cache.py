@@ -29,6 +29,14 @@ from collections.abc import Callable
 
 import torch
 
+from dsv4_kernels.testing import fresh_seed, generator
+from dsv4_kernels.testing.k_cache import (
+    assert_same_bytes,
+    block_outer_k_cache_group,
+    poisoned_bf16,
+    spread_keys,
+)
+
 from .harness import BenchCase, Provider, same_bytes_copy
 
 INSERT = "quantize_and_insert_k_cache"
@@ -46,18 +54,23 @@ class Shape:
     gather_len: int | None  # None: the whole request
     block_size: int
     layer: str  # swa | c4a | c128a | kv
+    # Layers per block of a block-outer cache group (vLLM's allocation, see
+    # dsv4_kernels.testing.k_cache); 0: one layer's pages side by side.
+    block_outer_layers: int = 0
 
 
 INSERT_MATRIX = [
     Shape("1x1024", 1, 1024, None, 64, "swa"),
     Shape("16x1024", 16, 1024, None, 64, "swa"),
     Shape("1x16384", 1, 16384, None, 64, "swa"),
+    Shape("1x16384-block-outer-3", 1, 16384, None, 64, "swa", 3),
     Shape("c128a-1x16384", 1, 16384, None, 2, "c128a"),
 ]
 GATHER_MATRIX = [
     Shape("1x1024", 1, 1024, None, 64, "swa"),
     Shape("16x1024", 16, 1024, None, 64, "swa"),
     Shape("1x16384", 1, 16384, None, 64, "swa"),
+    Shape("1x16384-block-outer-3", 1, 16384, None, 64, "swa", 3),
     Shape("swa-1x131072-w128", 1, 131072, 128, 64, "swa"),
     Shape("swa-16x131072-w128", 16, 131072, 128, 64, "swa"),
     Shape("c4a-1x32768@131072", 1, 131072 // 4, None, 64, "c4a"),
@@ -65,21 +78,38 @@ GATHER_MATRIX = [
 ]
 INSERT_SMOKE = [
     Shape("2x40", 2, 40, None, 64, "swa"),
+    Shape("2x40-block-outer-3", 2, 40, None, 64, "swa", 3),
     Shape("c128a-1x33", 1, 33, None, 2, "c128a"),
 ]
 GATHER_SMOKE = [
     Shape("2x40", 2, 40, None, 64, "swa"),
+    Shape("2x40-block-outer-3", 2, 40, None, 64, "swa", 3),
     Shape("swa-2x1000-w128", 2, 1000, 128, 64, "swa"),
     Shape("c128a-1x33", 1, 33, None, 2, "c128a"),
 ]
 POOL_SLACK = 1.25  # pages in the cache beyond what the requests use (shuffled among them)
 
 
-def _keys(n: int, device: torch.device, g: torch.Generator) -> torch.Tensor:
-    """``[n, 512]`` bf16 random keys, each 64-value block with its own magnitude."""
-    x = torch.randn(n, 8, 64, generator=g, device=device)
-    x *= torch.exp2(torch.randint(-20, 21, (n, 8, 1), generator=g, device=device).float())
-    return x.reshape(n, 512).to(torch.bfloat16)
+def _cache(shape: Shape, num_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the cache the kernel gets, every byte it may touch) for ``shape``.
+
+    Page-contiguous: ``empty_k_cache`` and itself.  Block-outer: the middle
+    layer's view of a group of ``block_outer_layers`` window caches and the
+    group's whole allocation (other layers' bytes must stay as they were).
+    """
+    import dsv4_kernels as dk
+
+    if not shape.block_outer_layers:
+        cache = dk.empty_k_cache(num_pages, shape.block_size, device)
+        return cache, cache
+    layers = shape.block_outer_layers
+    group = block_outer_k_cache_group(num_pages, [(shape.block_size, layers)], device)
+    return group.views[0][layers // 2], group.raw
+
+
+def _same_view(view: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """``view``'s shape, strides and offset over ``raw`` (a copy of the view's allocation)."""
+    return torch.as_strided(raw, view.shape, view.stride(), view.storage_offset())
 
 
 def _layout(shape: Shape, device: torch.device, g: torch.Generator) -> tuple[int, torch.Tensor]:
@@ -104,13 +134,6 @@ def _layout(shape: Shape, device: torch.device, g: torch.Generator) -> tuple[int
     return num_pages, table.to(torch.int32).contiguous()
 
 
-def _check_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    a, b = got.view(torch.uint8), want.view(torch.uint8)
-    if not torch.equal(a, b):
-        bad = (a != b).nonzero()
-        raise AssertionError(f"{what}: {bad.shape[0]} bytes differ, first at {bad[0].tolist()}")
-
-
 def _gather_provider(
     name: str, fn: Callable[[], None], out: torch.Tensor, poison: torch.Tensor, want: torch.Tensor
 ) -> Provider:
@@ -118,7 +141,7 @@ def _gather_provider(
         out.copy_(poison)
 
     def check() -> None:
-        _check_bits(out, want, f"{name} out (whole buffer)")
+        assert_same_bytes(out, want, f"{name} out (whole buffer)")
 
     return Provider(name, fn, fill, check)
 
@@ -130,15 +153,19 @@ def build_gather_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
 
     from .upstream_kv_cache import gather_per_request_workers
 
-    g = torch.Generator(device=device).manual_seed(2468)
+    seed = fresh_seed()
+    g = generator(seed, device)
     cases = []
     for shape in GATHER_SMOKE if smoke else GATHER_MATRIX:
         bs = shape.block_size
         num_pages, table = _layout(shape, device, g)
-        cache = dk.empty_k_cache(num_pages, bs, device)
-        cache.random_(0, 256, generator=g)
+        cache, allocation = _cache(shape, num_pages, device)
+        allocation.random_(0, 256, generator=g)
         dk.quantize_and_insert_k_cache(
-            _keys(num_pages * bs, device, g), cache, torch.arange(num_pages * bs, device=device), bs
+            spread_keys(num_pages * bs, generator=g, device=device),
+            cache,
+            torch.arange(num_pages * bs, device=device),
+            bs,
         )
         seq = torch.full((shape.num_reqs,), shape.seq_len, dtype=torch.int32, device=device)
         gl = None
@@ -148,11 +175,7 @@ def build_gather_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
             rows = shape.gather_len
         offset = 0
         out = torch.empty((shape.num_reqs, rows, 512), dtype=torch.bfloat16, device=device)
-        poison = (
-            torch.randint(-(2**15), 2**15, out.shape, dtype=torch.int32, generator=g, device=device)
-            .to(torch.int16)
-            .view(torch.bfloat16)
-        )
+        poison = poisoned_bf16(out.shape, generator=g, device=device)
         want = poison.clone()
         ref.dequantize_and_gather_k_cache(want, cache, seq, gl, table, bs, offset)
         args = (out, cache, seq, gl, table, bs, offset)
@@ -161,7 +184,7 @@ def build_gather_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
                 OURS, lambda a=args: dk.dequantize_and_gather_k_cache(*a), out, poison, want
             ),
         ]
-        if use_triton(device):
+        if use_triton(device) and not shape.block_outer_layers:
             providers.append(
                 _gather_provider(
                     UPSTREAM_GATHER,
@@ -189,6 +212,9 @@ def build_gather_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
                     "seq_len": shape.seq_len,
                     "gather_len": shape.gather_len,
                     "slots_per_page": bs,
+                    "page_stride": cache.stride(0),
+                    "block_outer_layers": shape.block_outer_layers,
+                    "seed": seed,
                 },
             )
         )
@@ -242,7 +268,8 @@ def build_insert_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
 
     from .upstream_kv_cache import insert_token_per_program
 
-    g = torch.Generator(device=device).manual_seed(1357)
+    seed = fresh_seed()
+    g = generator(seed, device)
     cases = []
     for shape in INSERT_SMOKE if smoke else INSERT_MATRIX:
         bs = shape.block_size
@@ -250,22 +277,25 @@ def build_insert_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
         pos = torch.arange(shape.seq_len, device=device)
         slots = (table[:, pos // bs].long() * bs + pos % bs).reshape(-1)
         n = slots.shape[0]
-        k = _keys(n, device, g)
-        cache = dk.empty_k_cache(num_pages, bs, device)
-        poison = torch.randint(0, 256, cache.shape, dtype=torch.uint8, generator=g, device=device)
+        k = spread_keys(n, generator=g, device=device)
+        cache, allocation = _cache(shape, num_pages, device)
+        poison = torch.randint(
+            0, 256, allocation.shape, dtype=torch.uint8, generator=g, device=device
+        )
         want = poison.clone()
-        ref.quantize_and_insert_k_cache(k, want, slots, bs)
+        ref.quantize_and_insert_k_cache(k, _same_view(cache, want), slots, bs)
 
-        def poison_cache(c: torch.Tensor = cache, p: torch.Tensor = poison) -> None:
+        def poison_cache(c: torch.Tensor = allocation, p: torch.Tensor = poison) -> None:
             c.copy_(p)
 
         providers = [
             Provider(OURS, lambda a=(k, cache, slots, bs): dk.quantize_and_insert_k_cache(*a),
-                     poison_cache, lambda c=cache, w=want: _check_bits(c, w, "cache (whole)")),
+                     poison_cache,
+                     lambda c=allocation, w=want: assert_same_bytes(c, w, "cache (whole)")),
         ]  # fmt: skip
         # Under the interpreter the upstream float->fp8 cast loses mantissa carries (the
         # trap our kernel avoids), so its output is wrong there: GPU only.
-        if device.type == "cuda":
+        if device.type == "cuda" and not shape.block_outer_layers:
             providers.append(
                 Provider(
                     UPSTREAM_INSERT,
@@ -286,7 +316,14 @@ def build_insert_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
                 n,
                 floor,
                 providers,
-                {"layer": shape.layer, "requests": shape.num_reqs, "slots_per_page": bs},
+                {
+                    "layer": shape.layer,
+                    "requests": shape.num_reqs,
+                    "slots_per_page": bs,
+                    "page_stride": cache.stride(0),
+                    "block_outer_layers": shape.block_outer_layers,
+                    "seed": seed,
+                },
             )
         )
     return cases

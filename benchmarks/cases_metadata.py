@@ -1,21 +1,22 @@
-"""Benchmark cases for the sparse-attention metadata kernels (the seed's matrix and more)."""
+"""Benchmark cases for the sparse-attention metadata kernels (the seed's matrix and more).
+
+Inputs come from :mod:`dsv4_kernels.testing.metadata`, fresh on every run
+(the seed is recorded with every case).  Every provider writes into
+preallocated ``out=`` buffers that are filled with ``POISON`` before its
+checked run, and the whole buffers are compared with the reference after it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import torch
 
+from dsv4_kernels.testing import POISON, fresh_seed, generator
+from dsv4_kernels.testing.metadata import combine_bench_inputs, global_bench_inputs
+
 from .harness import BenchCase, Provider, same_bytes_copy
-
-POISON = -7777
-
-
-def fresh_seed() -> int:
-    """Fresh random inputs on every run; the seed is recorded with the results."""
-    return int.from_bytes(os.urandom(4), "little")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,60 +64,23 @@ GLOBAL_MATRIX = [
 GLOBAL_SMOKE = [("2x32@512", 2, 32, 512)]
 
 
-def _combine_inputs(shape: CombineShape, device: torch.device, g: torch.Generator) -> dict:
-    ratio = {"c4a": 4, "c128a": 128, "swa": 1}[shape.layer]
-    topk = {"c4a": C4A_TOPK, "c128a": shape.context // 128, "swa": 0}[shape.layer]
-    if shape.layer == "c4a":
-        topk = min(topk, C4A_TOPK)
-    b, q = shape.num_reqs, shape.query_len
-    T = b * q
-    qsl = torch.arange(0, T + 1, q, dtype=torch.int32)
-    seq = torch.full((b,), shape.context, dtype=torch.int32)
-    gather = torch.full((b,), min(shape.context, q + WINDOW - 1), dtype=torch.int32)
-    N = -(-shape.context // max(ratio, 1)) if ratio > 1 else 0
-    M = N + int(gather.max())
-    pos = (shape.context - q) + torch.arange(q).repeat(b)
-    topk_len = ((pos + 1) // ratio).clamp(0, topk) if ratio > 1 else torch.zeros_like(pos)
-    topk_indices = None
-    if shape.layer == "c4a":
-        # The indexer's output: topk_len distinct-ish entries in [0, N), then -1.
-        vals = torch.randint(0, max(N, 1), (T, topk), generator=g, dtype=torch.int32)
-        cols = torch.arange(topk)[None, :]
-        topk_indices = torch.where(cols < topk_len[:, None], vals, -1).to(device)
-    return dict(
-        topk_indices=topk_indices,
-        query_start_loc=qsl.to(device),
-        seq_lens=seq.to(device),
-        gather_lens=gather.to(device),
-        window_size=WINDOW,
-        compress_ratio=ratio,
-        topk=topk,
-        M=M,
-        N=N,
-        _topk_read=int(topk_len.sum()) if topk_indices is not None else 0,
-        _T=T,
-    )
-
-
-def _provider(
+def _out_provider(
     name: str,
-    run: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    run: Callable[[torch.Tensor, torch.Tensor], object],
     want: tuple[torch.Tensor, torch.Tensor],
 ) -> Provider:
-    state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def go() -> None:
-        state["out"] = run()
+    """A provider writing ``(rows, lens)`` into buffers poisoned before its checked run."""
+    out, lens = torch.empty_like(want[0]), torch.empty_like(want[1])
 
     def poison() -> None:
-        state.pop("out", None)
+        out.fill_(POISON)
+        lens.fill_(POISON)
 
     def check() -> None:
-        got, lens = state["out"]
-        assert torch.equal(got, want[0]), "combined rows differ from the reference"
-        assert torch.equal(lens, want[1]), "lens differ from the reference"
+        assert torch.equal(out, want[0]), "rows differ from the reference (whole buffer)"
+        assert torch.equal(lens, want[1]), "lens differ from the reference (whole buffer)"
 
-    return Provider(name, go, poison, check)
+    return Provider(name, lambda: run(out, lens), poison, check)
 
 
 def build_combine_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
@@ -126,34 +90,31 @@ def build_combine_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
     from .upstream_metadata import combine_per_request_workers
 
     seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     cases = []
     for shape in COMBINE_SMOKE if smoke else COMBINE_MATRIX + COMBINE_EXTRA:
-        inp = _combine_inputs(shape, device, g)
-        T, topk_read = inp.pop("_T"), inp.pop("_topk_read")
-        args = list(inp.values())
+        inp = combine_bench_inputs(
+            shape.layer, shape.num_reqs, shape.query_len, shape.context, device, g, topk=C4A_TOPK
+        )
+        T, args = inp.num_tokens, inp.args
         want = ref.combine_topk_swa_indices(*args, num_tokens=T)
         width = want[0].shape[1]
-        # Ours is checked through a poisoned out= buffer as well as in the timed form.
-        out = torch.full((T, width), POISON, dtype=torch.int32, device=device)
-        dk.combine_topk_swa_indices(*args, out=out)
-        assert torch.equal(out, want[0]), f"{shape.name}: poisoned out= run differs"
         providers = [
-            _provider(
+            _out_provider(
                 "dsv4-kernels",
-                lambda a=args, t=T: dk.combine_topk_swa_indices(*a, num_tokens=t),
+                lambda o, n, a=args: dk.combine_topk_swa_indices(*a, out=(o, n)),
                 want,
             )
         ]
         for workers in (128, 256):
             providers.append(
-                _provider(
+                _out_provider(
                     f"per-request-workers-{workers}",
-                    lambda a=args, w=workers, t=T: combine_per_request_workers(*a, t, w),
+                    lambda o, n, a=args, w=workers: combine_per_request_workers(*a, o, n, w),
                     want,
                 )
             )
-        floor = topk_read * 4 + T * width * 4 + T * 4 + (3 * shape.num_reqs + 1) * 4
+        floor = inp.topk_read * 4 + T * width * 4 + T * 4 + (3 * shape.num_reqs + 1) * 4
         if device.type == "cuda":
             providers.append(same_bytes_copy(floor, device))
         cases.append(
@@ -168,7 +129,7 @@ def build_combine_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
                     "requests": shape.num_reqs,
                     "query_len": shape.query_len,
                     "context": shape.context,
-                    "topk": inp["topk"],
+                    "topk": inp.topk,
                     "width": width,
                     "issue_matrix": shape in COMBINE_MATRIX,
                     "seed": seed,
@@ -181,9 +142,7 @@ def build_combine_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
 def build_global_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
     """The C4A indexer's top-k rows of prefill chunks, mapped to compressed-cache slots.
 
-    Each token's row holds ``min(512, (pos + 1) // 4)`` random entries of its
-    request's compressed history, then -1 (as the indexer leaves them); each
-    request's pages are a random set of the cache's pages.
+    Inputs from :func:`dsv4_kernels.testing.metadata.global_bench_inputs`.
     """
     import dsv4_kernels as dk
     from dsv4_kernels import reference as ref
@@ -191,33 +150,27 @@ def build_global_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
     from .upstream_metadata import global_per_token_program
 
     seed = fresh_seed()
-    g = torch.Generator().manual_seed(seed)
+    g = generator(seed)
     cases = []
     block_size, K = 64, C4A_TOPK
     for name, num_reqs, q, context in GLOBAL_SMOKE if smoke else GLOBAL_MATRIX:
-        T = num_reqs * q
-        pos = (context - q) + torch.arange(q).repeat(num_reqs)
-        avail = (pos + 1) // 4  # compressed entries visible to each token
-        topk_len = avail.clamp(max=K)
-        entries = torch.floor(torch.rand((T, K), generator=g) * avail[:, None]).to(torch.int32)
-        topk = torch.where(torch.arange(K)[None, :] < topk_len[:, None], entries, -1)
-        req = torch.arange(num_reqs, dtype=torch.int32).repeat_interleave(q)
-        pages = -(-context // 4 // block_size)
-        table = torch.stack(
-            [torch.randperm(pages * num_reqs * 2, generator=g)[:pages] for _ in range(num_reqs)]
-        ).to(torch.int32)
-        valid = torch.ones(T, dtype=torch.bool)
-        args = [topk.to(device), req.to(device), table.to(device), block_size, valid.to(device)]
+        inp = global_bench_inputs(num_reqs, q, context, device, g, topk=K, block_size=block_size)
+        T, args = inp.num_tokens, inp.args
+        table = args[2]
+        assert isinstance(table, torch.Tensor)
         want = ref.compute_global_topk_indices_and_lens(*args)
-        prov = _provider(
-            "dsv4-kernels", lambda a=args: dk.compute_global_topk_indices_and_lens(*a), want
+        ours = _out_provider(
+            "dsv4-kernels",
+            lambda o, n, a=args: dk.compute_global_topk_indices_and_lens(*a, out=o, lens_out=n),
+            want,
         )
-        live = int(topk_len.sum())
+        upstream = _out_provider(
+            "per-token-program", lambda o, n, a=args: global_per_token_program(*a, o, n), want
+        )
         # each top-k entry read once, each output written once, each live entry's table
         # word read once (at most the table), the per-token metadata once.
-        floor = T * K * 4 * 2 + T * (4 + 1 + 4) + min(live, table.numel()) * 4
-        upstream = _provider("per-token-program", lambda a=args: global_per_token_program(*a), want)
-        providers = [prov, upstream]
+        floor = T * K * 4 * 2 + T * (4 + 1 + 4) + min(inp.live, table.numel()) * 4
+        providers = [ours, upstream]
         if device.type == "cuda":
             providers.append(same_bytes_copy(floor, device))
         cases.append(
@@ -227,7 +180,13 @@ def build_global_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
                 T,
                 floor,
                 providers,
-                {"topk": K, "block_size": block_size, "requests": num_reqs, "context": context},
+                {
+                    "topk": K,
+                    "block_size": block_size,
+                    "requests": num_reqs,
+                    "context": context,
+                    "seed": seed,
+                },
             )
         )
     return cases

@@ -68,27 +68,35 @@ class Result:
     params: dict[str, Any]
 
 
-def git_sha() -> str:
-    """The checkout's commit (``DSV4_GIT_SHA`` overrides, e.g. on a machine without git)."""
+ROOT = Path(__file__).resolve().parent.parent  # the project's checkout
+
+
+def git_sha(root: Path = ROOT) -> str:
+    """The project's commit, as recorded with every result.
+
+    ``DSV4_GIT_SHA`` when set (a copy of the tree without git, e.g. on a GPU
+    machine); else ``git -C root`` when ``root`` is the top of its own work
+    tree (a copy of the tree inside another checkout must not record that
+    checkout's commit), with ``-dirty`` for uncommitted changes to tracked
+    files; else ``"unknown"``.
+    """
     if os.environ.get("DSV4_GIT_SHA"):
         return os.environ["DSV4_GIT_SHA"]
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
+
+    def git(*args: str) -> str:
+        res = subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=True
         )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
+        return res.stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != root.resolve():
+            return "unknown"
+        sha = git("rev-parse", "--short=12", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return sha + ("-dirty" if dirty else "")
 
 
 def environment(device: torch.device) -> dict[str, str]:
@@ -240,7 +248,3 @@ def write_jsonl(results: Sequence[Result], env: dict[str, str], path: Path) -> N
             row = dataclasses.asdict(r)
             row.update(env)
             f.write(json.dumps(row, sort_keys=True) + "\n")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

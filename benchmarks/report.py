@@ -10,6 +10,21 @@ from pathlib import Path
 from .harness import FLOOR, SAME_BYTES_COPY, Result
 
 OURS = "dsv4-kernels"
+# Matplotlib's "tab10" colours: one per provider, the same in every panel.
+PALETTE = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+)  # fmt: skip
+FLOOR_COLOUR = "#000000"
+
+
+def provider_colours(results: Sequence[Result]) -> dict[str, str]:
+    """One colour per provider across all panels: ours first, the floor black, others in order."""
+    names = list(dict.fromkeys([OURS, *(r.provider for r in results)]))
+    others = [p for p in names if p != FLOOR]
+    colours = {p: PALETTE[i % len(PALETTE)] for i, p in enumerate(others)}
+    colours[FLOOR] = FLOOR_COLOUR
+    return colours
 
 
 def _geomean(xs: Sequence[float]) -> float:
@@ -85,6 +100,7 @@ def write_plot(results: Sequence[Result], env: dict[str, str], path: Path) -> No
         print("(matplotlib not installed: no plot)")
         return
     pivot = _pivot([r for r in results if r.kernel != "empty_triton_launch"])
+    colours = provider_colours(results)
     fig, axes = plt.subplots(len(pivot), 1, figsize=(12, 3.6 * len(pivot)), squeeze=False)
     for ax, (kernel, cases) in zip(axes[:, 0], pivot.items(), strict=True):
         providers = list(dict.fromkeys(p for row in cases.values() for p in row))
@@ -92,7 +108,7 @@ def write_plot(results: Sequence[Result], env: dict[str, str], path: Path) -> No
         for i, prov in enumerate(providers):
             xs = [j + i * width for j in range(len(cases))]
             ys = [row[prov].p50_us if prov in row else 0 for row in cases.values()]
-            ax.bar(xs, ys, width, label=prov)
+            ax.bar(xs, ys, width, label=prov, color=colours[prov])
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
         ax.set_xticklabels(list(cases), rotation=20, ha="right", fontsize=8)
         ax.set_yscale("log")
@@ -127,9 +143,17 @@ def _floor_target(label: str, row: dict[str, Result], limit: float) -> str:
 
 
 def summarise(results: Sequence[Result], smoke: bool) -> str:
-    """The issue targets, each with the number seen in this run."""
+    """The issue targets, each with the number seen in this run (GPU runs only).
+
+    A CPU smoke run's times are interpreter wall clock: no verdict is printed.
+    """
+    if smoke:
+        return (
+            "Targets: not evaluated (CPU smoke run: interpreter wall-clock times say nothing "
+            "about GPU speed; run on a GPU for the targets)."
+        )
     pivot = _pivot(results)
-    lines = ["Targets" + (" (CPU smoke: NOT meaningful, GPU only)" if smoke else "") + ":"]
+    lines = ["Targets:"]
     combine = pivot.get("combine_topk_swa_indices", {})
     if combine:
 
@@ -137,8 +161,7 @@ def summarise(results: Sequence[Result], smoke: bool) -> str:
             return row["per-request-workers-256"].p50_us / row[OURS].p50_us
 
         issue = [r for r in combine.values() if r[OURS].params.get("issue_matrix")]
-        which = f"the issue's {len(issue)} cases" if issue else "smoke cases"
-        issue = issue or list(combine.values())  # the CPU smoke matrix has none of them
+        which = f"the issue's {len(issue)} cases"
         lines.append(
             _target(
                 f"combine geomean speed-up vs per-request-workers-256 ({which})",

@@ -31,14 +31,18 @@ def main(argv: list[str] | None = None) -> int:
     import dsv4_kernels as dk
     import dsv4_kernels.kv_cache as kvc
     from dsv4_kernels import reference as ref
+    from dsv4_kernels.testing import fresh_seed, generator
+    from dsv4_kernels.testing.k_cache import spread_keys
 
     from . import harness
-    from .cases_kv_cache import Shape, _keys, _layout
+    from .cases_kv_cache import Shape, _layout
 
     dev = torch.device("cuda")
     bw = harness.copy_bandwidth(dev)
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s  {torch.cuda.get_device_name()}")
-    g = torch.Generator(device=dev).manual_seed(99)
+    seed = fresh_seed()
+    print(f"seed {seed}")
+    g = generator(seed, dev)
     rows = []
 
     def bench(fn) -> float:  # type: ignore[no-untyped-def]
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         pos = torch.arange(shape.seq_len, device=dev)
         slots = (table[:, pos // bs].long() * bs + pos % bs).reshape(-1)
         n = slots.numel()
-        k = _keys(n, dev, g)
+        k = spread_keys(n, generator=g, device=dev)
         cache = dk.empty_k_cache(num_pages, bs, dev)
         cache.random_(0, 256, generator=g)
         want = cache.clone()
@@ -105,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         num_pages, table = _layout(shape, dev, g)
         cache = dk.empty_k_cache(num_pages, bs, dev)
         dk.quantize_and_insert_k_cache(
-            _keys(num_pages * bs, dev, g), cache, torch.arange(num_pages * bs, device=dev), bs
+            spread_keys(num_pages * bs, generator=g, device=dev),
+            cache,
+            torch.arange(num_pages * bs, device=dev),
+            bs,
         )
         seq = torch.full((shape.num_reqs,), shape.seq_len, dtype=torch.int32, device=dev)
         out = torch.empty((shape.num_reqs, shape.seq_len, 512), dtype=torch.bfloat16, device=dev)

@@ -17,9 +17,15 @@ import torch
 import dsv4_kernels as dk
 import dsv4_kernels.metadata as md
 from dsv4_kernels import reference as ref
+from dsv4_kernels.testing import fresh_seed, generator
+from dsv4_kernels.testing.metadata import CombineInputs, combine_bench_inputs
 
-from .cases_metadata import COMBINE_MATRIX, _combine_inputs
+from .cases_metadata import COMBINE_MATRIX, CombineShape
 from .harness import _time_us
+
+
+def _inputs(shape: CombineShape, dev: torch.device, g: torch.Generator) -> CombineInputs:
+    return combine_bench_inputs(shape.layer, shape.num_reqs, shape.query_len, shape.context, dev, g)
 
 
 def _host_us(fn: Callable[[], object], n: int = 200) -> float:
@@ -54,51 +60,17 @@ def _graph_us(fn: Callable[[], object], n: int = 20) -> float:
 
 def host_breakdown(dev: torch.device) -> None:
     """Where the host time of one call goes: validation, Triton's launcher, allocation."""
-    import triton
-
-    from dsv4_kernels import _triton_metadata as k
-
     from .empty_kernel import launch_empty
 
-    g = torch.Generator().manual_seed(3)
+    g = generator(fresh_seed())
     shape = next(s for s in COMBINE_MATRIX if s.name == "c4a-1x1024")
-    inp = _combine_inputs(shape, dev, g)
-    T = inp.pop("_T")
-    inp.pop("_topk_read")
-    args = list(inp.values())
+    inp = _inputs(shape, dev, g)
+    T, args = inp.num_tokens, inp.args
     out = torch.empty((T, 640), dtype=torch.int32, device=dev)
     lens = torch.empty((T,), dtype=torch.int32, device=dev)
-    ti, qsl, seq, gl = args[:4]
 
     def raw() -> None:
-        k._combine_topk_swa_indices_kernel[(triton.cdiv(T, 8), 5)](
-            ti,
-            qsl,
-            seq,
-            gl,
-            lens,
-            lens,
-            out,
-            lens,
-            ti.stride(0) // 4,
-            out.stride(0),
-            T,
-            1,
-            512,
-            5,
-            args[7],
-            args[8],
-            WINDOW=128,
-            RATIO=4,
-            HAS_TOPK=True,
-            HAS_IMAGES=False,
-            TOPK_ALIGN=4,
-            ROW_ALIGN=128,
-            BLOCK_T=md.COMBINE_BLOCK_T,
-            BLOCK_C=md.COMBINE_BLOCK_C,
-            BLOCK_R=md.COMBINE_BLOCK_R,
-            num_warps=md.COMBINE_NUM_WARPS,
-        )
+        md._launch_combine(*args, out, lens)  # type: ignore[arg-type]
 
     def validate() -> None:
         md._combine_args(*args, out, None, None, 0, None)
@@ -126,15 +98,13 @@ def main() -> None:
         sweep_global(dev)
         return
     host_breakdown(dev)
-    g = torch.Generator().manual_seed(7)
+    g = generator(fresh_seed())
     names = ("c4a-1x1024", "c4a-16x1024", "c4a-1x16384@131072", "swa-16x1024")
     inputs = {}
     for s in COMBINE_MATRIX:
         if s.name in names:
-            inp = _combine_inputs(s, dev, g)
-            T = inp.pop("_T")
-            inp.pop("_topk_read")
-            inputs[s.name] = (list(inp.values()), T)
+            inp = _inputs(s, dev, g)
+            inputs[s.name] = (inp.args, inp.num_tokens)
     wants = {k: ref.combine_topk_swa_indices(*a, num_tokens=t) for k, (a, t) in inputs.items()}
     print("combine BT BC warps | per case: do_bench / host / graph (us)")
     for bt, bc, nw in ((8, 128, 2), (8, 128, 4), (16, 128, 4), (8, 256, 4)):

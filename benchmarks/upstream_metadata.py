@@ -82,14 +82,19 @@ def combine_per_request_workers(
     topk: int,
     M: int,
     N: int,
-    num_tokens: int,
+    out: torch.Tensor,
+    lens: torch.Tensor,
     num_workers: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Upstream's design: ``torch.full(-1)`` then a (requests x workers) grid."""
-    device = query_start_loc.device
-    width = combined_width(topk, window_size)
-    out = torch.full((num_tokens, width), -1, dtype=torch.int32, device=device)
-    lens = torch.empty((num_tokens,), dtype=torch.int32, device=device)
+    """Upstream's design: fill ``out`` with -1, then a (requests x workers) grid.
+
+    ``out`` is ``[num_tokens, combined_width(topk, window_size)]`` int32 and
+    ``lens`` ``[num_tokens]`` int32 (upstream allocates the first with
+    ``torch.full(-1)``; here the fill pass runs on the given buffer).
+    """
+    if out.shape[1] != combined_width(topk, window_size):
+        raise ValueError(f"out must be {combined_width(topk, window_size)} wide, got {out.shape}")
+    out.fill_(-1)
     ratio = compress_ratio if compress_ratio > 1 else 0
     has_topk = topk_indices is not None and topk > 0
     _per_request_combine_kernel[(seq_lens.shape[0], num_workers)](
@@ -141,15 +146,16 @@ def global_per_token_program(
     block_table: torch.Tensor,
     block_size: int,
     is_valid_token: torch.Tensor,
+    out: torch.Tensor,
+    lens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Upstream's design: one program per token, a block of next_pow2(K) entries at a time.
 
+    Writes ``out`` (shaped like ``topk_indices``) and ``lens`` ``[num_tokens]``.
     As upstream, it maps every entry of every token (padding tokens' rows too)
     and only zeroes their lengths; the benchmark checks it on all-valid batches.
     """
     num_tokens, k = topk_indices.shape
-    out = torch.empty_like(topk_indices)
-    lens = torch.empty((num_tokens,), dtype=torch.int32, device=topk_indices.device)
     _per_token_global_kernel[(num_tokens,)](
         out, out.stride(0), lens, topk_indices, topk_indices.stride(0), token_to_req_indices,
         block_table, block_table.stride(0), block_size, is_valid_token, k,

@@ -76,17 +76,7 @@ def main() -> None:
     report = {}
     for has_topk in (True, False):
         for images in (False, True):
-            const = dict(
-                WINDOW=128,
-                RATIO=4 if has_topk else 128,
-                HAS_TOPK=has_topk,
-                HAS_IMAGES=images,
-                TOPK_ALIGN=4,
-                ROW_ALIGN=128,
-                BLOCK_T=md.COMBINE_BLOCK_T,
-                BLOCK_C=md.COMBINE_BLOCK_C,
-                BLOCK_R=md.COMBINE_BLOCK_R,
-            )
+            const = md.combine_constexprs(128, 4 if has_topk else 128, has_topk, images, 4)
             report[f"combine topk={has_topk} images={images}"] = _ptx(
                 kernels._combine_topk_swa_indices_kernel,
                 COMBINE_SIG,
@@ -94,9 +84,12 @@ def main() -> None:
                 [0, 6, 9],
                 md.COMBINE_NUM_WARPS,
             )
-    const = dict(K=512, BLOCK_SIZE=64, BLOCK_T=md.GLOBAL_BLOCK_T, BLOCK_K=md.GLOBAL_BLOCK_K)
     report["global"] = _ptx(
-        kernels._global_topk_indices_kernel, GLOBAL_SIG, const, [0, 3, 4, 6, 7], md.GLOBAL_NUM_WARPS
+        kernels._global_topk_indices_kernel,
+        GLOBAL_SIG,
+        md.global_constexprs(512, 64),
+        [0, 3, 4, 6, 7],
+        md.GLOBAL_NUM_WARPS,
     )
     print(json.dumps(report))
 

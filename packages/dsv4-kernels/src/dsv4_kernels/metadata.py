@@ -244,25 +244,78 @@ def combine_topk_swa_indices(
         if lens_out is not None
         else torch.empty(num_tokens, dtype=torch.int32, device=device)
     )
-    num_reqs = seq_lens.shape[0]
     if num_tokens == 0:
         return out, lens
-    if num_reqs == 0:
+    if seq_lens.shape[0] == 0:
         raise ValueError("seq_lens must not be empty when there are query tokens")
+    _launch_combine(
+        topk_indices if topk > 0 else None,
+        query_start_loc,
+        seq_lens,
+        gather_lens,
+        window_size,
+        compress_ratio,
+        topk,
+        M,
+        N,
+        out,
+        lens,
+        left_visible,
+        right_visible,
+    )
+    return out, lens
+
+
+def combine_constexprs(
+    window_size: int, compress_ratio: int, has_topk: bool, has_images: bool, topk_align: int
+) -> dict[str, object]:
+    """The combine kernel's compile-time arguments (the launch and the codegen probe share them)."""
+    return dict(
+        WINDOW=window_size,
+        RATIO=compress_ratio if compress_ratio > 1 else 0,
+        HAS_TOPK=has_topk,
+        HAS_IMAGES=has_images,
+        TOPK_ALIGN=topk_align,
+        ROW_ALIGN=COMBINED_ALIGNMENT,
+        BLOCK_T=COMBINE_BLOCK_T,
+        BLOCK_C=COMBINE_BLOCK_C,
+        BLOCK_R=COMBINE_BLOCK_R,
+    )
+
+
+def _launch_combine(
+    topk_indices: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    gather_lens: torch.Tensor,
+    window_size: int,
+    compress_ratio: int,
+    topk: int,
+    M: int,
+    N: int,
+    out: torch.Tensor,
+    lens: torch.Tensor,
+    left_visible: torch.Tensor | None = None,
+    right_visible: torch.Tensor | None = None,
+) -> None:
+    """Launch the combine kernel on validated arguments (``out`` holds exactly the chunk's rows).
+
+    The one place the launch is spelled: the public wrapper and the tile
+    sweep (which times it without the validation) call it.
+    """
+    num_tokens, width = out.shape
     has_topk = topk_indices is not None and topk > 0
     has_images = left_visible is not None
     grid = (triton.cdiv(num_tokens, COMBINE_BLOCK_T), triton.cdiv(width, COMBINE_BLOCK_C))
     # 16-byte top-k loads need 16-byte aligned rows whose width is a multiple of 4.
     topk_align = 1
-    if has_topk:
-        assert topk_indices is not None
+    if topk_indices is not None and has_topk:
         k_width, k_stride = topk_indices.shape[1], topk_indices.stride(0)
         if k_width % 4 == 0 and k_stride % 4 == 0 and topk_indices.data_ptr() % 16 == 0:
             topk_align = 4
         topk_stride_units = k_stride // topk_align
     else:
         topk_stride_units = 0
-    kernel_topk = topk if compress_ratio > 1 else 0
     _k._combine_topk_swa_indices_kernel[grid](
         topk_indices if has_topk else out,
         query_start_loc,
@@ -275,23 +328,24 @@ def combine_topk_swa_indices(
         topk_stride_units,
         out.stride(0),
         num_tokens,
-        num_reqs,
-        kernel_topk,
+        seq_lens.shape[0],
+        topk if compress_ratio > 1 else 0,
         width // COMBINED_ALIGNMENT,
         M,
         N,
-        WINDOW=window_size,
-        RATIO=compress_ratio if compress_ratio > 1 else 0,
-        HAS_TOPK=has_topk,
-        HAS_IMAGES=has_images,
-        TOPK_ALIGN=topk_align,
-        ROW_ALIGN=COMBINED_ALIGNMENT,
-        BLOCK_T=COMBINE_BLOCK_T,
-        BLOCK_C=COMBINE_BLOCK_C,
-        BLOCK_R=COMBINE_BLOCK_R,
+        **combine_constexprs(window_size, compress_ratio, has_topk, has_images, topk_align),
         num_warps=COMBINE_NUM_WARPS,
     )
-    return out, lens
+
+
+def global_constexprs(width: int, block_size: int) -> dict[str, object]:
+    """The global-index kernel's compile-time arguments (the launch and the codegen probe)."""
+    return dict(
+        K=width,
+        BLOCK_SIZE=block_size,
+        BLOCK_T=GLOBAL_BLOCK_T,
+        BLOCK_K=min(GLOBAL_BLOCK_K, max(16, triton.next_power_of_2(width))),
+    )
 
 
 def compute_global_topk_indices_and_lens(
@@ -380,10 +434,7 @@ def compute_global_topk_indices_and_lens(
         block_table.stride(0),
         num_tokens,
         block_table.shape[1],
-        K=width,
-        BLOCK_SIZE=block_size,
-        BLOCK_T=GLOBAL_BLOCK_T,
-        BLOCK_K=min(GLOBAL_BLOCK_K, max(16, triton.next_power_of_2(width))),
+        **global_constexprs(width, block_size),
         num_warps=GLOBAL_NUM_WARPS,
     )
     return out, lens
