@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         builders["k_cache"] = lambda: kv_cases(device, smoke)
     except ImportError as exc:  # the FP8 cache benchmark is optional in a partial checkout
         print(f"(k-cache cases unavailable: {exc})")
+    from .cases_sparse_mla import build_cases as sparse_mla_cases
+    from .cases_sparse_mla import summarise_per_token as sparse_mla_per_token
+
+    builders["sparse_mla"] = lambda: sparse_mla_cases(device, smoke)
     only = [s for s in args.only.split(",") if s]
 
     bandwidth = harness.copy_bandwidth(device)
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     write_plot(results, env, out_dir / "plot.png")
     print(table)
     print(summarise(results, smoke=smoke))
+    if any(r.kernel == "sparse_mla" for r in results):
+        print(sparse_mla_per_token(results))
     print(f"results in {out_dir}")
     return 0
 

@@ -378,15 +378,16 @@ def _launch(
     b_slots: int,
     scale: float,
     aligned: bool,
-    max_block_h: int = MAX_BLOCK_H,
-    block_n: int = BLOCK_N,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
 ) -> None:
-    """Launch the kernel (inputs already validated).  Tile knobs are for sweeps."""
+    """Launch the kernel (inputs already validated).
+
+    The tile constants are read from this module at each call, so a sweep
+    (``benchmarks/cases_sparse_mla.py --sweep``) can set them between calls.
+    """
     T, H, _ = q.shape
     if T == 0:
         return
+    max_block_h, block_n, num_warps, num_stages = MAX_BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES
     block_h = _block_h(H, max_block_h)
     head_blocks = triton.cdiv(H, block_h)
     a_src, a_idx, a_lens, a_stride, a_rows = a

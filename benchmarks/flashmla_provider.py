@@ -1,0 +1,101 @@
+"""FlashMLA's sparse prefill as vLLM 0.32 runs it for DSV4: the benchmark's peer.
+
+vLLM pads DSV4's query heads to 64 (or 128) for ``flash_mla_sparse_fwd`` and
+feeds it a bf16 workspace with request-local rows and ``topk_length``.  This
+module only imports FlashMLA (never copies it): build it on the GPU machine
+with the project's ``tools/flashmla`` scripts (``bash .fmla/build-on-gpu.sh``
+puts it in ``/tmp/fmla``) or point ``DSV4_FLASHMLA_PATH`` at a built tree.
+Benchmarks and GPU tests use it when it imports and say so when it does not.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+DEFAULT_PATH = "/tmp/fmla"
+# FlashMLA's sparse prefill supports these head counts; vLLM pads up to the next.
+FLASHMLA_HEADS = (64, 128)
+
+_LOADED: dict[str, object] = {}
+
+
+def load_sparse_fwd() -> tuple[Callable[..., tuple[torch.Tensor, ...]] | None, str]:
+    """(``flash_mla_sparse_fwd`` or None, why not)."""
+    if "fn" in _LOADED:
+        return _LOADED["fn"], str(_LOADED["why"])  # type: ignore[return-value]
+    path = os.environ.get("DSV4_FLASHMLA_PATH", DEFAULT_PATH)
+    fn = None
+    why = ""
+    if not torch.cuda.is_available():
+        why = "FlashMLA needs a CUDA GPU"
+    elif not os.path.isdir(path):
+        why = f"FlashMLA is not built at {path} (run bash .fmla/build-on-gpu.sh on the GPU machine)"
+    else:
+        if path not in sys.path:
+            sys.path.insert(0, path)
+        try:
+            from flash_mla import flash_mla_sparse_fwd
+
+            fn = flash_mla_sparse_fwd
+        except Exception as exc:  # an unbuilt or mismatched extension raises many kinds
+            why = f"FlashMLA at {path} does not import: {type(exc).__name__}: {exc}"
+    _LOADED["fn"], _LOADED["why"] = fn, why
+    return fn, why
+
+
+def padded_heads(num_heads: int) -> int:
+    """The head count vLLM gives FlashMLA for ``num_heads`` real heads."""
+    for h in FLASHMLA_HEADS:
+        if num_heads <= h:
+            return h
+    raise ValueError(f"FlashMLA supports at most {FLASHMLA_HEADS[-1]} heads, got {num_heads}")
+
+
+class PaddedFlashMLA:
+    """``flash_mla_sparse_fwd`` on heads padded to 64/128, as vLLM runs it.
+
+    The padded query and sink are prepared once (vLLM's projection writes the
+    padded query directly); a call runs only FlashMLA.  ``out``/``lse`` give
+    the real heads' rows, with FlashMLA's ``+inf`` lse for a row without keys
+    turned into our ``-inf``.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        indices: torch.Tensor,
+        lens: torch.Tensor,
+        scale: float,
+        attn_sink: torch.Tensor | None,
+    ) -> None:
+        fn, why = load_sparse_fwd()
+        if fn is None:
+            raise RuntimeError(why)
+        self._fn = fn
+        T, H, D = q.shape
+        self.heads = H
+        hp = padded_heads(H)
+        self.q = torch.zeros((T, hp, D), dtype=q.dtype, device=q.device)
+        self.q[:, :H] = q
+        self.sink = None
+        if attn_sink is not None:
+            self.sink = torch.full((hp,), float("-inf"), dtype=torch.float32, device=q.device)
+            self.sink[:H] = attn_sink
+        self.kv = kv.reshape(kv.shape[0], 1, D)
+        self.indices = indices.unsqueeze(1)
+        self.lens = lens
+        self.scale = scale
+        self.result: tuple[torch.Tensor, ...] = ()
+
+    def __call__(self) -> None:
+        self.result = self._fn(self.q, self.kv, self.indices, self.scale, 512, self.sink, self.lens)
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out, _max_logits, lse = self.result
+        lse = lse[:, : self.heads]
+        return out[:, : self.heads], torch.where(torch.isposinf(lse), float("-inf"), lse)
