@@ -143,7 +143,7 @@ def test_cuda_graph_replay(gpu: torch.device) -> None:
     comp = ts.paged_cache(64, 2, generator=g, device=gpu, layers_per_block=3, layer=0)
     T, H = 100, 16
     idx, lens = ts.index_rows(T, 128, swa.num_slots, generator=g, device=gpu)
-    cidx, clens = ts.index_rows(T, 128, comp.num_slots, generator=g, device=gpu)
+    cidx, comp_lens = ts.index_rows(T, 128, comp.num_slots, generator=g, device=gpu)
     q = ts.random_q(T, H, generator=g, device=gpu)
     sink = ts.random_sink(H, generator=g, device=gpu)
     out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=gpu)
@@ -153,7 +153,7 @@ def test_cuda_graph_replay(gpu: torch.device) -> None:
         attn_sink=sink,
         comp_cache=comp.cache,
         comp_indices=cidx,
-        comp_lens=clens,
+        comp_lens=comp_lens,
         comp_block_size=2,
         out=out,
         lse=lse,
