@@ -1,13 +1,18 @@
 """DeepSeek-V4 sparse attention for vLLM, built on dsv4-kernels.
 
-Today this package holds the vLLM plugin (:mod:`dsv4_attention.plugin`) that
-routes vLLM's DSV4 sparse-attention metadata and FP8 K-cache functions to
-``dsv4_kernels``.  Set ``DSV4_KERNELS_DISABLE=1`` to keep vLLM's own kernels.
+* :mod:`dsv4_attention.plugin`: the vLLM plugin (gated, lazy, visible in
+  vLLM's log) that routes vLLM's DSV4 path to our kernels where they are
+  measured faster, and to the head-exact prefill (:mod:`.vllm_backend`).
+* :mod:`dsv4_attention.prefill`: the prefill forward of one DSV4 attention
+  layer from the FP8 pages, with its torch reference.
+
+``DSV4_KERNELS_DISABLE=1`` keeps vLLM exactly as it is.  Importing this
+package imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
 
-from .plugin import patched, register, unregister
+from .plugin import is_active, patched, register, unregister
 
-__all__ = ["patched", "register", "unregister"]
+__all__ = ["is_active", "patched", "register", "unregister"]
 __version__ = "0.1.0"

@@ -1,175 +1,326 @@
-"""vLLM general plugin: put dsv4-kernels into vLLM's DeepSeek-V4 attention path.
+"""vLLM general plugin: put dsv4-kernels and the head-exact prefill into vLLM's DSV4 path.
 
-vLLM calls :func:`register` in every process it starts (entry point group
-``vllm.general_plugins``), before the model code is imported.  It replaces
-vLLM's DSV4 metadata and K-cache functions with ours wherever vLLM defines or
-has already imported them by name.  Everything is reversible
-(:func:`unregister`) and nothing is patched when:
+vLLM runs :func:`register` (entry point group ``vllm.general_plugins``) in
+every process it starts, before any model is built and whatever model is
+served, and does not catch what a plugin raises.  So :func:`register` is cheap
+and cannot fail:
 
-* ``DSV4_KERNELS_DISABLE=1`` is set (the A/B switch ``dsv4 compare`` uses);
-* the vLLM build has no DSV4 ops module, or its functions are missing;
-* the platform is not CUDA (ROCm and XPU have their own DSV4 kernels), unless
-  ``DSV4_KERNELS_FORCE=1`` asks for it (our functions fall back to the torch
-  references for CPU tensors).
+* it reads two environment switches and vLLM's version, and otherwise only
+  installs an import hook.  Nothing of vLLM's DSV4 code is imported or changed
+  until ``vllm.models.deepseek_v4`` is first imported by vLLM itself; a process
+  serving another model never pays for it;
+* when that package has been imported, the plugin builds the whole set of
+  changes for the platform (``vllm_targets``), checking the signature of every
+  function it replaces and that every module which imported one by name holds
+  vLLM's function.  Only if every check passes does it apply all changes; on
+  an unknown vLLM version, a changed signature or any exception it changes
+  nothing and logs one warning saying why.  It never half-patches;
+* it logs through vLLM's logger, so its one line per process shows in
+  ``vllm serve``'s output:
+  ``dsv4-attention <version>: active on vLLM <version> (<platform>); replaced: ...``
+  or ``dsv4-attention <version>: inactive on vLLM <version>: <reason>``.
+
+Switches: ``DSV4_KERNELS_DISABLE=1`` turns the whole plugin off (the A/B
+switch ``dsv4 compare`` uses); ``DSV4_PREFILL_DISABLE=1`` keeps vLLM's own
+sparse-MLA prefill while still replacing the metadata kernels;
+``DSV4_KERNELS_FORCE=1`` applies the CUDA set on other platforms (tests on
+vLLM's CPU build; our functions run their torch references on CPU tensors).
+Everything is reversible with :func:`unregister`.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import inspect
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
-logger = logging.getLogger("dsv4_attention")
+from . import vllm_targets as targets
 
-# Where vLLM defines the DSV4 ops, and the package that re-exports them.
-VLLM_OPS_MODULES = (
-    "vllm.models.deepseek_v4.common.ops.cache_utils",
-    "vllm.models.deepseek_v4.common.ops",
-)
-# Modules of vLLM that import these functions by name at import time.
-VLLM_PREFIX = "vllm.models.deepseek_v4"
-
-_ORIGINALS: dict[str, Callable[..., Any]] = {}  # vLLM's functions, by name
-_OURS: dict[str, Callable[..., Any]] = {}  # what replaced them, by name
+ENV_DISABLE = "DSV4_KERNELS_DISABLE"
+ENV_FORCE = "DSV4_KERNELS_FORCE"
+ENV_PREFILL_DISABLE = "DSV4_PREFILL_DISABLE"
+LOGGER_NAME = "vllm.dsv4_attention"  # under "vllm" so vLLM's handler prints it
 
 
-def _dsv4_modules() -> list[Any]:
-    """vLLM's DSV4 modules imported so far (not ``deepseek_v41``, whose ops are its own)."""
-    return [
-        module
-        for name, module in list(sys.modules.items())
-        if module is not None and (name == VLLM_PREFIX or name.startswith(VLLM_PREFIX + "."))
-    ]
+@dataclass(frozen=True)
+class _Patch:
+    module: ModuleType
+    name: str
+    original: Any
+    replacement: Any
+
+
+class _Inactive(Exception):
+    """A reason to leave vLLM unchanged (logged at info level)."""
+
+
+class _Refused(Exception):
+    """vLLM is not what the plugin was written against (logged as a warning)."""
+
+
+_APPLIED: list[_Patch] = []
+_STATE: dict[str, Any] = {"hook": None, "decided": False}
 
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _replacements(originals: dict[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
-    """Our functions, adapted to vLLM's exact signatures where they differ."""
-    import dsv4_kernels as dk
+def _our_version() -> str:
+    from . import __version__
 
-    def quantize_and_insert_k_cache(
-        k: Any,
-        k_cache: Any,
-        slot_mapping: Any,
-        block_size: int = 64,
-        is_ue8m0: bool = True,
-        use_fnuz: bool = False,
-    ) -> None:
-        if not is_ue8m0 or use_fnuz:  # layouts we do not implement: vLLM's own kernel
-            originals["quantize_and_insert_k_cache"](
-                k, k_cache, slot_mapping, block_size, is_ue8m0, use_fnuz
-            )
-            return
-        # vLLM's [pages, block_size, 584] view of a padded page is accepted as is.
-        dk.quantize_and_insert_k_cache(k, k_cache, slot_mapping, block_size)
+    return __version__
 
-    def dequantize_and_gather_k_cache(
-        out: Any,
-        k_cache: Any,
-        seq_lens: Any,
-        gather_lens: Any,
-        block_table: Any,
-        block_size: int,
-        offset: int,
-        use_fnuz: bool = False,
-    ) -> None:
-        if use_fnuz:
-            originals["dequantize_and_gather_k_cache"](
-                out, k_cache, seq_lens, gather_lens, block_table, block_size, offset, use_fnuz
-            )
-            return
-        dk.dequantize_and_gather_k_cache(
-            out,
-            k_cache,
-            seq_lens,
-            gather_lens,
-            block_table,
-            block_size,
-            offset,
+
+def _logger() -> logging.Logger:
+    try:
+        from vllm.logger import init_logger
+    except Exception:  # vLLM without its logger module: a plain logger
+        return logging.getLogger(LOGGER_NAME)
+    return init_logger(LOGGER_NAME)
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def _say_inactive(reason: str, *, warning: bool) -> None:
+    _STATE["decided"] = True
+    line = f"dsv4-attention {_our_version()}: inactive on vLLM {_vllm_version()}: {reason}"
+    if warning:
+        _logger().warning(line)
+    else:
+        _logger().info(line)
+
+
+# --- the import hook ----------------------------------------------------------
+
+
+class _PatchAfterExec(importlib.abc.Loader):
+    """Runs vLLM's loader for the DSV4 package, then decides and patches."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _remove_hook()
+        _activate_safely()
+
+    def __getattr__(self, name: str) -> Any:  # get_code, is_package, resource readers, ...
+        return getattr(self._loader, name)
+
+
+class _Dsv4ImportHook(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the loader of ``vllm.models.deepseek_v4`` only."""
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != targets.DSV4_PACKAGE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _PatchAfterExec(spec.loader)
+        return spec
+
+
+def _remove_hook() -> None:
+    hook = _STATE["hook"]
+    if hook is not None and hook in sys.meta_path:
+        sys.meta_path.remove(hook)
+    _STATE["hook"] = None
+
+
+# --- deciding and patching --------------------------------------------------------
+
+
+def _check_signature(function: Any, name: str) -> None:
+    expected = targets.SIGNATURES[name]
+    try:
+        found = tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError) as exc:
+        raise _Refused(f"cannot read the signature of vLLM's {name}: {exc}") from exc
+    if found != expected:
+        raise _Refused(
+            f"vLLM's {name} has parameters {found}, expected {expected}; "
+            "this vLLM is not the one the plugin was written against"
         )
 
-    return {
-        "combine_topk_swa_indices": dk.combine_topk_swa_indices,
-        "compute_global_topk_indices_and_lens": dk.compute_global_topk_indices_and_lens,
-        "quantize_and_insert_k_cache": quantize_and_insert_k_cache,
-        "dequantize_and_gather_k_cache": dequantize_and_gather_k_cache,
-    }
+
+def _platform() -> tuple[str, bool]:
+    from vllm.platforms import current_platform
+
+    return str(getattr(current_platform, "device_name", "unknown")), bool(
+        current_platform.is_cuda()
+    )
 
 
-def _platform_is_cuda() -> bool:
+def _gather_replaced() -> bool:
+    """Our gather runs only where vLLM would run its Triton gather (no CuTe-DSL)."""
+    from vllm.utils.import_utils import has_cutedsl
+
+    return targets.GATHER_ON_CUDA == "always" or (
+        targets.GATHER_ON_CUDA == "when-no-cutedsl" and not has_cutedsl()
+    )
+
+
+def _plan() -> tuple[list[_Patch], str]:
+    """Every change for this process, checked; raises _Inactive or _Refused instead."""
+    platform, is_cuda = _platform()
+    if not is_cuda and not _flag(ENV_FORCE):
+        raise _Inactive(
+            f"platform {platform}: nothing here is measured faster than vLLM's own "
+            f"kernels there (set {ENV_FORCE}=1 to apply the CUDA set)"
+        )
+    ops = importlib.import_module(targets.OPS_MODULE)
+    names = list(targets.CUDA_OPS)
+    if _gather_replaced():
+        names.append("dequantize_and_gather_k_cache")
+    from .adapters import replacements
+
+    ours = replacements({name: getattr(ops, name, None) for name in names})
+    patches: list[_Patch] = []
+    for name in names:
+        original = getattr(ops, name, None)
+        if not callable(original):
+            raise _Refused(f"{targets.OPS_MODULE} has no function {name}")
+        _check_signature(original, name)
+        patches.append(_Patch(ops, name, original, ours[name]))
+        for consumer_name in targets.CONSUMERS[name]:
+            consumer = importlib.import_module(consumer_name)
+            if getattr(consumer, name, None) is not original:
+                raise _Refused(f"{consumer_name}.{name} is not vLLM's {name}")
+            patches.append(_Patch(consumer, name, original, ours[name]))
+    labels = list(names)
+    if not _flag(ENV_PREFILL_DISABLE):
+        patches.append(_attention_patch())
+        labels.append("DeepseekV4FlashMLAAttention._forward_prefill (head-exact prefill)")
+    return patches, f"({platform}); replaced: {', '.join(labels)}"
+
+
+def _attention_patch() -> _Patch:
+    """``_select_dsv4_attn_cls`` returns our subclass where vLLM picks FlashMLA."""
+    from .vllm_backend import make_head_exact_attention_cls
+
+    model = importlib.import_module(targets.MODEL_MODULE)
+    flashmla = importlib.import_module(targets.FLASHMLA_MODULE)
+    select = getattr(model, "_select_dsv4_attn_cls", None)
+    base = getattr(flashmla, "DeepseekV4FlashMLAAttention", None)
+    if not callable(select) or not isinstance(base, type):
+        raise _Refused("vLLM's DSV4 attention selector or FlashMLA attention class is missing")
+    _check_signature(select, "_select_dsv4_attn_cls")
+    _check_signature(getattr(base, "_forward_prefill", None), "_forward_prefill")
+    ours = make_head_exact_attention_cls(base)
+
+    def _select_dsv4_attn_cls(vllm_config: Any) -> type:
+        chosen = select(vllm_config)
+        return ours if chosen is base else chosen
+
+    _select_dsv4_attn_cls.__wrapped__ = select  # type: ignore[attr-defined]
+    return _Patch(model, "_select_dsv4_attn_cls", select, _select_dsv4_attn_cls)
+
+
+def _activate_safely() -> None:
+    """Decide once for this process; any failure leaves vLLM exactly as it was."""
+    if _STATE["decided"]:
+        return
     try:
-        from vllm.platforms import current_platform
-    except Exception:  # vLLM without a usable platform: nothing to patch
-        return False
-    return bool(current_platform.is_cuda())
+        patches, summary = _plan()
+    except _Inactive as reason:
+        _say_inactive(str(reason), warning=False)
+        return
+    except _Refused as reason:
+        _say_inactive(f"{reason}; nothing patched", warning=True)
+        return
+    except Exception as exc:  # never let the plugin stop vLLM
+        _say_inactive(f"unexpected {type(exc).__name__}: {exc}; nothing patched", warning=True)
+        return
+    for patch in patches:
+        setattr(patch.module, patch.name, patch.replacement)
+    _APPLIED.extend(patches)
+    _STATE["decided"] = True
+    _logger().info(
+        "dsv4-attention %s: active on vLLM %s %s", _our_version(), _vllm_version(), summary
+    )
+
+
+# --- public API ---------------------------------------------------------------------
 
 
 def register() -> None:
-    """Entry point for vLLM's plugin loader; safe to call more than once."""
-    if _OURS:
-        return
-    if _flag("DSV4_KERNELS_DISABLE"):
-        logger.info("dsv4-kernels disabled by DSV4_KERNELS_DISABLE; using vLLM's kernels")
-        return
-    if not _flag("DSV4_KERNELS_FORCE") and not _platform_is_cuda():
-        logger.info("dsv4-kernels: not a CUDA platform, vLLM's DSV4 kernels stay")
+    """Entry point for vLLM's plugin loader; cheap, safe to call more than once, never raises."""
+    if _STATE["decided"] or _STATE["hook"] is not None:
         return
     try:
-        defining = importlib.import_module(VLLM_OPS_MODULES[0])
-    except ImportError:
-        logger.warning("dsv4-kernels: this vLLM has no DeepSeek-V4 ops module; nothing patched")
-        return
-    originals: dict[str, Callable[..., Any]] = {
-        name: getattr(defining, name)
-        for name in (
-            "combine_topk_swa_indices",
-            "compute_global_topk_indices_and_lens",
-            "quantize_and_insert_k_cache",
-            "dequantize_and_gather_k_cache",
-        )
-        if callable(getattr(defining, name, None))
-    }
-    if not originals:
-        logger.warning("dsv4-kernels: vLLM's DSV4 ops have none of our functions; nothing patched")
-        return
-    _ORIGINALS.update(originals)
-    ours = _replacements(originals)
-    _OURS.update({name: ours[name] for name in originals})
-    for module_name in VLLM_OPS_MODULES:
-        importlib.import_module(module_name)
-    # The defining module, its package, and any DSV4 module that already
-    # imported a function by name (e.g. the attention backend).  Modules
-    # imported later take the names from the patched package.
-    for module in _dsv4_modules():
-        for name, original in originals.items():
-            if getattr(module, name, None) is original:
-                setattr(module, name, _OURS[name])
-    logger.info(
-        "dsv4-kernels: replaced %s in %d places", ", ".join(sorted(originals)), len(patched())
-    )
+        if _flag(ENV_DISABLE):
+            _say_inactive(f"disabled by {ENV_DISABLE}=1", warning=False)
+            return
+        version = _vllm_version()
+        if not targets.is_supported(version):
+            _say_inactive(
+                f"unsupported vLLM version {version} (supported: {targets.supported_text()}); "
+                "nothing patched",
+                warning=True,
+            )
+            return
+        if targets.DSV4_PACKAGE in sys.modules:
+            _activate_safely()
+            return
+        hook = _Dsv4ImportHook()
+        _STATE["hook"] = hook
+        sys.meta_path.insert(0, hook)
+    except Exception as exc:  # never let the plugin stop vLLM
+        _remove_hook()
+        try:
+            _say_inactive(f"unexpected {type(exc).__name__}: {exc}; nothing patched", warning=True)
+        except Exception:
+            logging.getLogger(LOGGER_NAME).warning("dsv4-attention: inactive (%s)", exc)
 
 
 def unregister() -> None:
-    """Put vLLM's original functions back, also in modules imported after :func:`register`."""
-    for module in _dsv4_modules():
-        for name, ours in _OURS.items():
-            if getattr(module, name, None) is ours:
-                setattr(module, name, _ORIGINALS[name])
-    _OURS.clear()
-    _ORIGINALS.clear()
+    """Put back everything :func:`register` changed and forget the decision."""
+    _remove_hook()
+    for patch in reversed(_APPLIED):
+        if getattr(patch.module, patch.name, None) is patch.replacement:
+            setattr(patch.module, patch.name, patch.original)
+    _APPLIED.clear()
+    _STATE["decided"] = False
 
 
 def patched() -> list[str]:
-    """``module.function`` names that currently hold a dsv4-kernels function."""
+    """``module.name`` for every place that currently holds one of our replacements."""
     return sorted(
-        f"{module.__name__}.{name}"
-        for module in _dsv4_modules()
-        for name, ours in _OURS.items()
-        if getattr(module, name, None) is ours
+        f"{patch.module.__name__}.{patch.name}"
+        for patch in _APPLIED
+        if getattr(patch.module, patch.name, None) is patch.replacement
     )
+
+
+def is_active() -> bool:
+    """Whether this process runs with the plugin's replacements in place."""
+    return bool(patched())
