@@ -47,14 +47,14 @@ PADDED_HEADS = 64  # vLLM pads q and the output to 64 heads for FlashMLA
 
 def fp8_round_trip(k: torch.Tensor) -> torch.Tensor:
     """bf16 keys -> UE8M0 FP8 -> values (float64), from the layout's definition."""
-    codes, scales = quantize_k(k.cpu())
+    codes, scales = quantize_k(k)
     n = k.shape[0]
     vals = codes.view(torch.float8_e4m3fn).to(torch.float64).reshape(n, NUM_QUANT_BLOCKS, -1)
     exps = scales[:, :NUM_QUANT_BLOCKS].to(torch.float64) - UE8M0_BIAS
     nope = (vals * torch.exp2(exps).unsqueeze(-1)).reshape(n, NOPE_DIM)
     assert vals.shape[-1] == QUANT_BLOCK
-    rope = k.cpu()[:, NOPE_DIM:].to(torch.float64)
-    return torch.cat([nope, rope], dim=1).to(k.device)
+    rope = k[:, NOPE_DIM:].to(torch.float64)
+    return torch.cat([nope, rope], dim=1)
 
 
 @dataclasses.dataclass
@@ -90,8 +90,10 @@ class Scenario:
         seed: int,
         device: torch.device,
         hole_fraction: float = 0.05,
+        dense_chunk: int = 64,
     ) -> None:
         self.steps = steps
+        self.dense_chunk = dense_chunk
         self.heads = heads
         self.topk = topk
         self.c128a_topk = c128a_topk
@@ -311,23 +313,29 @@ class Scenario:
                     mask_c = torch.arange(n_c)[None, :] < lens[:, None]
                 keys.append(kc)
                 masks.append(mask_c)
-            k_bf16 = torch.cat(keys)
-            mask = torch.cat(masks, dim=1)  # [nq, K]
+            dev = self.device
+            k_bf16 = torch.cat(keys).to(dev)
+            mask_all = torch.cat(masks, dim=1).to(dev)  # [nq, K]
             k_rt = fp8_round_trip(k_bf16)
             k = k_rt if round_trip else k_bf16.to(torch.float64)
             delta = k_rt - k_bf16.to(torch.float64)
-            qq = q[t0 : t0 + nq].cpu().to(torch.float64)  # [nq, H, 512]
-            s = torch.einsum("thd,kd->thk", qq, k) * SCALE
-            s = s.masked_fill(~mask[:, None, :], -math.inf)
-            row_lse = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - row_lse[..., None])
-            f = torch.sigmoid(row_lse - sink[None, :])  # exp(lse) / (exp(lse) + exp(sink))
-            out[t0 : t0 + nq] = torch.einsum("thk,kd->thd", p, k) * f[..., None]
-            lse[t0 : t0 + nq] = row_lse
-            abs_pk[t0 : t0 + nq] = torch.einsum("thk,kd->thd", p, k.abs())
-            abs_pd[t0 : t0 + nq] = torch.einsum("thk,kd->thd", p, delta.abs())
-            qd = (torch.einsum("thd,kd->thk", qq, delta) * SCALE).abs()
-            E[t0 : t0 + nq] = qd.masked_fill(~mask[:, None, :], 0.0).amax(dim=-1)
+            sink_d = sink.to(dev)
+            for c0 in range(0, nq, self.dense_chunk):
+                c1 = min(nq, c0 + self.dense_chunk)
+                mask = mask_all[c0:c1]
+                qq = q[t0 + c0 : t0 + c1].to(dev, torch.float64)  # [n, H, 512]
+                s = torch.einsum("thd,kd->thk", qq, k) * SCALE
+                s = s.masked_fill(~mask[:, None, :], -math.inf)
+                row_lse = torch.logsumexp(s, dim=-1)
+                p = torch.exp(s - row_lse[..., None])
+                f = torch.sigmoid(row_lse - sink_d[None, :])  # exp(lse) / (exp(lse) + exp(sink))
+                rows = slice(t0 + c0, t0 + c1)
+                out[rows] = (torch.einsum("thk,kd->thd", p, k) * f[..., None]).cpu()
+                lse[rows] = row_lse.cpu()
+                abs_pk[rows] = torch.einsum("thk,kd->thd", p, k.abs()).cpu()
+                abs_pd[rows] = torch.einsum("thk,kd->thd", p, delta.abs()).cpu()
+                qd = (torch.einsum("thd,kd->thk", qq, delta) * SCALE).abs()
+                E[rows] = qd.masked_fill(~mask[:, None, :], 0.0).amax(dim=-1).cpu()
             t0 += nq
         return {"out": out, "lse": lse, "abs_pk": abs_pk, "abs_pdelta": abs_pd, "E": E}
 

@@ -25,8 +25,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Run-time arguments that must not be specialised on value (==1, %16) or on
+# pointer alignment: a new batch must not compile a new kernel.  The top-k
+# rows are a slice of vLLM's buffer at a decode-count offset, so their
+# alignment varies from step to step.
 RUNTIME_ARGS = [
     "qsl_ptr",
+    "topk_ptr",
     "seq_lens_ptr",
     "win_table_ptr",
     "comp_table_ptr",

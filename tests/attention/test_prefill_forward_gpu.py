@@ -1,0 +1,71 @@
+"""The DSV4-shaped prefill of ``test_prefill_forward.py`` at larger sizes, compiled on a GPU.
+
+Index top-k 512 (V4-Flash), C128A rows as wide as vLLM makes them (no clamp),
+a 20,000-token cached request (5,000+ C4A entries), a 1,024-token fresh
+request, a request prefilled in two chunks, and the head counts of the
+flagship presets: 8 (V4-Flash TP8), 16 (V4-Pro TP8), 64 (V4-Flash DP).  Run
+with ``python3 -m pytest -m gpu`` on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_attention.prefill import PrefillPlan, forward_prefill
+from dsv4_kernels.testing import fresh_seed
+from dsv4_kernels.testing.sparse_mla import random_q
+
+from ._prefill_scenario import Scenario, StepRequest
+from .test_prefill_forward import layer_kwargs, run_scenario
+
+pytestmark = pytest.mark.gpu
+
+GPU_STEPS = [
+    [StepRequest("fresh", 0, 1024), StepRequest("chunked", 0, 700)],
+    [
+        StepRequest("chunked", 700, 900),
+        StepRequest("long", 20000, 256),
+        StepRequest("short", 40, 17),
+    ],
+]
+
+
+@pytest.fixture
+def gpu() -> torch.device:
+    assert torch.cuda.is_available(), "this test needs a CUDA GPU"
+    return torch.device("cuda")
+
+
+@pytest.mark.parametrize("heads", [8, 16, 64])
+def test_dsv4_shaped_prefill_gpu(heads: int, gpu: torch.device) -> None:
+    # vLLM's C128A width: next power of two of max_seq_len // 128, at least 128
+    sc = Scenario(GPU_STEPS, heads=heads, topk=512, c128a_topk=256, seed=fresh_seed(), device=gpu)
+    run_scenario(sc, ["c4a", "swa", "c128a"], padded_heads=64, expect_launches=lambda s: 3)
+
+
+def test_c128a_clamped_rows_gpu(gpu: torch.device) -> None:
+    """A C128A row width below the longest request's entries: rows clamp to it."""
+    steps = [[StepRequest("long", 30000, 64), StepRequest("fresh", 0, 300)]]
+    sc = Scenario(steps, heads=16, topk=512, c128a_topk=128, seed=fresh_seed(), device=gpu)
+    run_scenario(sc, ["c128a"], padded_heads=64)
+
+
+def test_allocating_output_matches_given_output_gpu(gpu: torch.device) -> None:
+    sc = Scenario(
+        [[StepRequest("a", 500, 300)]],
+        heads=8,
+        topk=512,
+        c128a_topk=128,
+        seed=fresh_seed(),
+        device=gpu,
+    )
+    inputs = sc.prepare_step(0)
+    plan = PrefillPlan(inputs.query_start_loc, inputs.seq_lens, num_tokens=inputs.num_tokens)
+    q = random_q(inputs.num_tokens, 8, generator=sc.g, device="cpu").to(gpu)
+    for layer in ("swa", "c4a", "c128a"):
+        kw = layer_kwargs(sc, layer, inputs)
+        fresh = forward_prefill(q, plan, **kw)
+        given = torch.full_like(fresh, float("nan"))
+        forward_prefill(q, plan, out=given, **kw)
+        assert torch.equal(fresh, given), layer
