@@ -1,3 +1,4 @@
+# mypy: allow-untyped-defs
 """Triton kernel for the prefill index rows as global cache slots.
 
 Launched from :mod:`.prefill_indices`.  One launch writes, for every query
