@@ -5,20 +5,24 @@ Matrix (issue 3): insert and gather at 1x1024, 16x1024 and 1x16384 tokens on
 131,072-token context, for 1 and 16 requests; the compressed gather at a
 131,072-token context: C4A (64 entries per page, 32,768 entries) and C128A
 (2 entries per page, 1,024 entries); and a C128A insert of 16,384 entries.
+Next to the page-contiguous 1x16384 case, a ``-block-outer-3`` row inserts
+into and gathers from the middle layer of a 3-layer block-outer group, the
+per-layer view vLLM 0.32 gives (pages a whole block apart, nonzero offset).
 
 On the GPU a ``torch-copy-same-bytes`` provider times one torch copy moving
 exactly the floor's bytes, in the same run: a yardstick for what one launch
-can reach at these sizes under the same timing.  On an H200 (2026-11-29) it
-took 1.6-2.2x the floor at 16K tokens (an empty Triton launch alone measured
-about 3.2 us there, against a 6.2 us floor).
+can reach at these sizes under the same timing (docs/kernels.md gives what it
+measured on an H200).
 
-Every provider is checked after poisoning its output: ours byte for byte
-against the torch reference (the whole cache / the whole ``out``, so stray
-writes fail too); the upstream insert, which rounds its scale in floating
-point, within the quantisation step.  Floors count each byte once: insert
-reads ``k`` (1024 B) and the slot (8 B) and writes 584 B per token; gather
-reads 584 B per token plus the block-table entries and lengths, and writes
-1024 B per token.
+Inputs are fresh random draws from :mod:`dsv4_kernels.testing` (the seed is
+recorded with every case).  Every provider is checked after poisoning its
+output: ours byte for byte against the torch reference (the whole cache
+allocation, all layers of a block-outer group included / the whole ``out``,
+so stray writes fail too); the upstream insert, which rounds its scale in
+floating point, within the quantisation step.  Floors count each byte once:
+insert reads ``k`` (1024 B) and the slot (8 B) and writes 584 B per token;
+gather reads 584 B per token plus the block-table entries and lengths, and
+writes 1024 B per token.
 """
 
 from __future__ import annotations

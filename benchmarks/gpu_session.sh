@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One GPU session in one call, on a CUDA machine (torch, Triton, pytest, hypothesis,
+# pyyaml and matplotlib installed; no nox, no network needed):
+#   1. builds FlashMLA first when the tree carries it in .fmla (the sparse-MLA
+#      benchmark's FlashMLA provider imports it from /tmp/fmla);
+#   2. runs the README's GPU test command (log: $OUT/gpu-tests.log);
+#   3. runs the full kernel benchmark into $OUT (results.jsonl, table.md,
+#      plot.png; log: $OUT/bench.log).
+# Everything is printed as it runs.  Usage, from anywhere in the checkout:
+#   OUT=results/h200 DSV4_GIT_SHA=<sha> bash benchmarks/gpu_session.sh
+# ($OUT defaults to results/; set DSV4_GIT_SHA when the tree is a copy without .git.)
+# Exits non-zero when the tests or the benchmark fail; the benchmark runs either way.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-results}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+SRC=packages/dsv4-kernels/src:packages/dsv4-attention/src:packages/dsv4-presets/src
+
+echo "== machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+
+build_rc=0
+if [ -d .fmla ]; then
+    echo "== building FlashMLA from .fmla"
+    bash .fmla/build-on-gpu.sh
+    build_rc=$?
+fi
+
+echo "== GPU tests: PYTHONPATH=$SRC:. python3 -m pytest -m gpu"
+PYTHONPATH="$SRC:." python3 -m pytest -m gpu 2>&1 | tee "$OUT/gpu-tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+echo "== benchmark: python3 -m benchmarks.kernels --out $OUT"
+PYTHONPATH="$SRC:." python3 -m benchmarks.kernels --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+bench_rc=${PIPESTATUS[0]}
+
+echo "== exit codes: FlashMLA build $build_rc, GPU tests $tests_rc, benchmark $bench_rc"
+ls -l "$OUT"
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
