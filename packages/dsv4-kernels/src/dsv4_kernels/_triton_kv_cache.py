@@ -99,6 +99,8 @@ def _quantize_and_insert_k_cache_kernel(
     DATA_BYTES: tl.constexpr,  # 576
     SCALE_BYTES: tl.constexpr,  # 8
     FP8_MAX: tl.constexpr,  # 448.0
+    FP8_MAX_EXP: tl.constexpr,  # 8: 448 = 1.75 * 2**8
+    FP8_MAX_MANTISSA: tl.constexpr,  # 0x600000: float32 mantissa field of 1.75
     AMAX_FLOOR: tl.constexpr,  # 1e-4
     BIAS: tl.constexpr,  # 127
     BLOCK_T: tl.constexpr,
@@ -117,7 +119,7 @@ def _quantize_and_insert_k_cache_kernel(
     scale_off = page_base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES
     if PAGE_ALIGNED:
         data_off = tl.multiple_of(data_off, 16)
-        scale_off = tl.multiple_of(scale_off, 8)
+        scale_off = tl.multiple_of(scale_off, SCALE_BYTES)
 
     qb = tl.arange(0, NQ_PAD)  # quantisation block (row 7 is padding)
     col = tl.arange(0, QBLOCK)
@@ -133,7 +135,7 @@ def _quantize_and_insert_k_cache_kernel(
     # amax <= 1.75 * 2**(e + 8), read off amax's float32 exponent and mantissa.
     amax = tl.maximum(tl.max(tl.abs(x), axis=2), AMAX_FLOOR)  # [T, 8]
     abits = amax.to(tl.int32, bitcast=True)
-    e = (abits >> 23) - (BIAS + 8) + ((abits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    e = (abits >> 23) - (BIAS + FP8_MAX_EXP) + ((abits & 0x7FFFFF) > FP8_MAX_MANTISSA).to(tl.int32)
     inv_scale = ((BIAS - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
     v = x * inv_scale[:, :, None]
     v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
@@ -217,7 +219,7 @@ def _dequantize_and_gather_k_cache_kernel(
         scale_off = page_base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES
         if PAGE_ALIGNED:
             data_off = tl.multiple_of(data_off, 16)
-            scale_off = tl.multiple_of(scale_off, 8)
+            scale_off = tl.multiple_of(scale_off, SCALE_BYTES)
 
         qb = tl.arange(0, NQ_PAD)
         col = tl.arange(0, QBLOCK)

@@ -1,7 +1,11 @@
 """DeepSeek-V4 attention geometry: the model constants every kernel shares.
 
-All byte layouts and widths used by the kernels are derived from the names
-here; nothing else in the package spells these numbers.
+The kernels, their wrappers and the references take every byte layout,
+width and constant of DSV4 from the names here; in the package's code nothing
+else spells these numbers (docstrings and comments restate them for the
+reader; the tests' slow spec oracles restate them from DESIGN.md on purpose,
+as an independent check, and the benchmarks' upstream re-implementations
+spell them as upstream does).
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ ROPE_DIM = 64
 QUANT_BLOCK = 64  # values sharing one power-of-two scale
 NUM_QUANT_BLOCKS = NOPE_DIM // QUANT_BLOCK  # 7 exponents per token
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# FP8_MAX = 1.75 * 2**8 as float32: its exponent and 23-bit mantissa field, from
+# which ceil(log2(amax / 448)) is read off amax's bits exactly (no log2, no division).
+FP8_MAX_EXP = 8
+FP8_MAX_MANTISSA = int((FP8_MAX / 2**FP8_MAX_EXP - 1.0) * (1 << 23))  # 0x600000
 AMAX_FLOOR = 1e-4  # amax is clamped below by this before taking log2
 UE8M0_BIAS = 127  # scale byte = exponent + 127
 ROPE_BYTES = ROPE_DIM * 2  # bf16
@@ -29,7 +37,9 @@ SWA_BLOCK_SIZE = 64  # tokens per sliding-window cache page
 
 # --- sparse attention -----------------------------------------------------
 WINDOW_SIZE = 128  # sliding window W
-SUPPORTED_COMPRESS_RATIOS = (1, 4, 128)  # SWA-only, C4A, C128A
+C4A_RATIO = 4  # compress ratio of C4A layers (lightning-indexer top-k)
+C128A_RATIO = 128  # compress ratio of C128A layers (every compressed entry)
+SUPPORTED_COMPRESS_RATIOS = (1, C4A_RATIO, C128A_RATIO)  # SWA-only, C4A, C128A
 TOPK_FLASH = 512  # index_topk, DeepSeek-V4-Flash
 TOPK_PRO = 1024  # index_topk, DeepSeek-V4-Pro
 COMBINED_ALIGNMENT = 128  # combined rows are padded to a multiple of this

@@ -39,11 +39,14 @@ from ._validation import (
 from .geometry import (
     AMAX_FLOOR,
     FP8_MAX,
+    FP8_MAX_EXP,
+    FP8_MAX_MANTISSA,
     HEAD_DIM,
     NOPE_DIM,
     NUM_QUANT_BLOCKS,
     QUANT_BLOCK,
     ROPE_DIM,
+    SWA_BLOCK_SIZE,
     TOKEN_BYTES,
     TOKEN_DATA_BYTES,
     TOKEN_SCALE_BYTES,
@@ -184,7 +187,7 @@ def quantize_and_insert_k_cache(
     k: torch.Tensor,
     k_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    block_size: int = 64,
+    block_size: int = SWA_BLOCK_SIZE,
 ) -> None:
     """Quantise keys to FP8 (UE8M0) and write them into the paged cache, in place.
 
@@ -276,6 +279,8 @@ def _launch_insert(
         PAGE_ALIGNED=stride % 16 == 0,
         **_LAYOUT,
         FP8_MAX=FP8_MAX,
+        FP8_MAX_EXP=FP8_MAX_EXP,
+        FP8_MAX_MANTISSA=FP8_MAX_MANTISSA,
         AMAX_FLOOR=AMAX_FLOOR,
         BIAS=UE8M0_BIAS,
         BLOCK_T=block_t,

@@ -21,7 +21,12 @@ from ._validation import (
     check_tensor,
     use_triton,
 )
-from .geometry import COMBINED_ALIGNMENT, SUPPORTED_COMPRESS_RATIOS, combined_width
+from .geometry import (
+    C128A_RATIO,
+    COMBINED_ALIGNMENT,
+    SUPPORTED_COMPRESS_RATIOS,
+    combined_width,
+)
 
 __all__ = ["combine_topk_swa_indices", "compute_global_topk_indices_and_lens"]
 
@@ -86,7 +91,7 @@ def _combine_args(
         if num_tokens is None:
             num_tokens = topk_indices.shape[0]
         check_length("topk_indices", topk_indices, num_tokens, "one row per query token")
-    elif topk > 0 and compress_ratio != 128:
+    elif topk > 0 and compress_ratio != C128A_RATIO:
         raise ValueError(
             "topk_indices may be None only for C128A layers (compress_ratio 128) or topk 0, "
             f"got compress_ratio {compress_ratio} with topk {topk}"

@@ -14,9 +14,12 @@ import torch
 from ..geometry import (
     AMAX_FLOOR,
     FP8_MAX,
+    FP8_MAX_EXP,
+    FP8_MAX_MANTISSA,
     NOPE_DIM,
     NUM_QUANT_BLOCKS,
     QUANT_BLOCK,
+    SWA_BLOCK_SIZE,
     TOKEN_BYTES,
     TOKEN_DATA_BYTES,
     TOKEN_SCALE_BYTES,
@@ -33,9 +36,6 @@ __all__ = [
 
 _F32_MANTISSA_BITS = 23
 _F32_MANTISSA_MASK = (1 << _F32_MANTISSA_BITS) - 1
-# 448 = 1.75 * 2**8: the float32 mantissa field of 1.75, and log2 of the rest.
-_FP8_MAX_MANTISSA = int((FP8_MAX / 256.0 - 1.0) * (1 << _F32_MANTISSA_BITS))
-_FP8_MAX_EXP = 8
 
 
 def _page_stride(k_cache: torch.Tensor, block_size: int) -> int:
@@ -65,8 +65,8 @@ def ue8m0_exponents(amax: torch.Tensor) -> torch.Tensor:
     """
     a = amax.to(torch.float32).clamp_min(AMAX_FLOOR)
     bits = a.view(torch.int32)
-    exp = (bits >> _F32_MANTISSA_BITS) - (UE8M0_BIAS + _FP8_MAX_EXP)
-    return exp + ((bits & _F32_MANTISSA_MASK) > _FP8_MAX_MANTISSA).to(torch.int32)
+    exp = (bits >> _F32_MANTISSA_BITS) - (UE8M0_BIAS + FP8_MAX_EXP)
+    return exp + ((bits & _F32_MANTISSA_MASK) > FP8_MAX_MANTISSA).to(torch.int32)
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ def quantize_and_insert_k_cache(
     k: torch.Tensor,
     k_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    block_size: int = 64,
+    block_size: int = SWA_BLOCK_SIZE,
 ) -> None:
     """Reference of :func:`dsv4_kernels.quantize_and_insert_k_cache` (same arguments)."""
     num_tokens = slot_mapping.shape[0]
