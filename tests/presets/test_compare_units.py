@@ -648,3 +648,104 @@ def test_sigterm_stops_the_server_and_exits_130(tmp_path: Path) -> None:
     rep = json.loads((out / "report.json").read_text())
     assert rep["not_run"] == ["A1", "B1", "A2"]
     assert "Not run yet: A1, B1, A2" in stdout
+
+
+# --------------------------------------------------------------------------
+# What served each run: vLLM's version and the dsv4-attention plugin, from server.log
+# --------------------------------------------------------------------------
+
+_VLLM_START = "INFO 11-30 23:01:02 [api_utils.py:330] vLLM server version 0.32.0, serving model m"
+_LOGO = (
+    "INFO 11-30 23:01:02 [api_utils.py:345] \x1b[1m█     █     █▄   ▄█\x1b[0m\n"
+    "INFO 11-30 23:01:02 [api_utils.py:345]  ▄▄ ▄█ █     █     █ ▀▄▀ █  version "
+    "\x1b[1m0.32.1rc1\x1b[0m\n"
+    "INFO 11-30 23:01:02 [api_utils.py:345]   █▄█▀ █     █     █     █  model   \x1b[1mm\x1b[0m"
+)
+_ACTIVE = (
+    "INFO 11-30 23:01:00 [plugin.py:80] dsv4-attention 0.2.0: active on vLLM 0.32.0 (cuda); "
+    "replaced: combine_topk_swa_indices, compute_global_topk_indices_and_lens"
+)
+_INACTIVE = (
+    "WARNING 11-30 23:01:00 [plugin.py:70] dsv4-attention 0.2.0: inactive on vLLM 0.33.0: "
+    "vLLM 0.33.0 is not a supported version (0.32.x)"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "state", "version"),
+    [
+        (f"{_ACTIVE}\n{_ACTIVE}\n{_VLLM_START}", "active", "0.32.0"),
+        (f"{_INACTIVE}\n{_LOGO}", "inactive", "0.32.1rc1"),
+        (f"{_VLLM_START}\nINFO other line", "absent", "0.32.0"),
+        (f"{_ACTIVE}\n{_INACTIVE}", "mixed", None),
+        ("", "absent", None),
+    ],
+)
+def test_server_log_says_what_served_the_run(text: str, state: str, version: str | None) -> None:
+    from dsv4_presets.compare.server_log import parse_server_log
+
+    seen = parse_server_log(text)
+    assert seen["plugin"]["state"] == state
+    assert seen["vllm_version"] == version
+    if state == "active":
+        plugin = seen["plugin"]
+        assert plugin["replaced"] == [
+            "combine_topk_swa_indices",
+            "compute_global_topk_indices_and_lens",
+        ]
+        assert plugin["vllm_version"] == "0.32.0" and plugin["plugin_version"] == "0.2.0"
+        assert [line["platform"] for line in plugin["lines"]] == ["cuda", "cuda"]
+    if state == "inactive":
+        assert seen["plugin"]["reason"].startswith("vLLM 0.33.0 is not a supported version")
+        assert seen["plugin"]["vllm_version"] == "0.33.0"
+
+
+def test_runner_records_and_report_shows_what_served_each_run(tmp_path: Path) -> None:
+    from dsv4_presets.compare.runner import _served_by
+
+    log = tmp_path / "server.log"
+    log.write_text(f"{_ACTIVE}\n{_VLLM_START}\n")
+    served = _served_by(log, "9.9.9")
+    assert served["vllm_version"] == "0.32.0" and served["vllm_version_source"] == "server.log"
+    assert served["plugin"]["state"] == "active"
+    log.write_text("no start-up line\n")
+    fallback = _served_by(log, "0.32.0")
+    assert fallback["vllm_version_source"] == "GET /version"
+    assert fallback["plugin"]["state"] == "absent"
+    text = report.render_markdown(
+        {
+            "variants": {"A": {"display": "A", "spec": "x"}, "B": {"display": "B", "spec": "y"}},
+            "bench": {"name": "b", "num_prompts": 1},
+            "runs": [
+                {
+                    "label": "A1",
+                    "display": "A",
+                    "status": "failed",
+                    "reason": "r",
+                    "server_log": "runs/01-A1/server.log",
+                    "served_by": served,
+                },
+                {
+                    "label": "B1",
+                    "display": "B",
+                    "status": "failed",
+                    "reason": "r",
+                    "server_log": "runs/02-B1/server.log",
+                    "served_by": fallback,
+                },
+            ],
+            "pairs": [],
+            "confidence": 0.95,
+            "summary": {
+                "output_throughput": {"paired_interval": {"undefined_reason": "n"}},
+                "mean_tpot_ms": {
+                    "paired_interval": {"undefined_reason": "n"},
+                    "request_bootstrap": {"undefined_reason": "n", "resamples": 1},
+                },
+                "mean_itl_ms": {"request_bootstrap": {"undefined_reason": "n", "resamples": 1}},
+            },
+            "not_run": [],
+        }
+    )
+    assert "| A1 | 0.32.0 | active (0.2.0; replaced: combine_topk_swa_indices, " in text
+    assert "| B1 | 0.32.0 (from GET /version) | absent (no dsv4-attention line" in text

@@ -209,6 +209,26 @@ def test_bench_dry_run_and_unreachable_server(capsys, tmp_path):
     assert "pass --model" in capsys.readouterr().err
 
 
+def test_one_verdict_for_dsv4_bench_and_dsv4_compare(tmp_path):
+    """Both commands judge a result with bench_verdict, counting out of the prompts sent."""
+    from dsv4_presets.bench import bench_verdict
+    from dsv4_presets.compare import runner
+
+    assert runner.bench_verdict is bench_verdict
+    data = {"completed": 100, "failed": 2, "errors": ["", "HTTP 500: boom"]}
+    why = bench_verdict(data, 128)
+    assert why == (
+        "2 of 128 requests failed; first error: HTTP 500: boom; only 100 of 128 requests completed"
+    )
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(BenchResultError) as err:
+        read_bench_result(path, expected_prompts=128)
+    assert str(err.value) == f"benchmark result {path}: {why}"
+    assert bench_verdict({"completed": 128, "failed": 0}, 128) is None
+    assert bench_verdict({"completed": True}, 1) == "the result has no 'completed' count"
+
+
 def test_read_bench_result_directly(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"completed": 4, "failed": 0, "mean_ttft_ms": 12.5}))
@@ -227,7 +247,8 @@ def test_read_bench_result_directly(tmp_path):
         read_bench_result(path, expected_prompts=0)
 
 
-def test_served_model_from_a_real_http_server(tmp_path):
+@pytest.mark.parametrize("proxy", [None, "http://127.0.0.1:9"])
+def test_served_model_from_a_real_http_server(tmp_path, monkeypatch, proxy):
     import http.server
     import threading
 
@@ -244,6 +265,13 @@ def test_served_model_from_a_real_http_server(tmp_path):
         def log_message(self, *args):
             pass
 
+    # A proxy in the environment (nothing listens at port 9) must not be used for
+    # the local server: urllib.request.urlopen would send the request there.
+    for name in ("http_proxy", "HTTP_PROXY", "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    if proxy is not None:
+        monkeypatch.setenv("http_proxy", proxy)
+        monkeypatch.setenv("HTTP_PROXY", proxy)
     server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -275,3 +275,46 @@ def test_with_vllm_true_without_vllm_is_an_error(monkeypatch):
 def test_finding_level_is_checked():
     with pytest.raises(ValueError, match="level"):
         Finding("fatal", "x", "y")
+
+
+@pytest.mark.parametrize("name", serve_preset_names())
+def test_every_preset_names_its_minimum_vllm(name):
+    from dsv4_presets.validate import version_tuple
+
+    config = serve(name, ADDR)
+    assert version_tuple(config.min_vllm or "") == (0, 32, 0)
+
+
+def test_min_vllm_is_checked_against_the_installed_version():
+    from dsv4_presets.validate import check_min_vllm, version_tuple
+
+    config = serve("h200-tp8-ep-dspark")
+    assert check_min_vllm(config, "0.32.0") == []
+    assert check_min_vllm(config, "0.32.2.dev5+gabc") == []
+    assert check_min_vllm(config, "1.0.0") == []
+    old = check_min_vllm(config, "0.31.9")
+    assert [f.rule for f in old] == ["vllm-version"]
+    assert "needs vLLM >= 0.32.0" in old[0].message and "0.31.9" in old[0].message
+    assert version_tuple("v0.32") == (0, 32, 0) and version_tuple("dev") is None
+
+
+def test_validate_reports_an_old_vllm(monkeypatch):
+    import importlib
+
+    v = importlib.import_module("dsv4_presets.validate")
+    fake = type(
+        "FakeCheck",
+        (),
+        {
+            "check_serve": staticmethod(lambda config: ([], [])),
+            "vllm_version": staticmethod(lambda: "0.20.1"),
+        },
+    )
+    monkeypatch.setattr(v, "vllm_available", lambda: True)
+    monkeypatch.setitem(__import__("sys").modules, "dsv4_presets.vllm_check", fake)
+    import dsv4_presets
+
+    monkeypatch.setattr(dsv4_presets, "vllm_check", fake, raising=False)
+    report = v.check(serve("h200-tp8-ep"), with_vllm=True)
+    assert [f.rule for f in report.errors] == ["vllm-version"]
+    assert report.vllm_version == "0.20.1"

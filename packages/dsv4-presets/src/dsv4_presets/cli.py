@@ -29,7 +29,7 @@ from dsv4_presets.schema import render_option, shipped_table
 from dsv4_presets.validate import check
 from dsv4_presets.vllm_exec import vllm_available, vllm_command
 
-FORMATS = ("argv", "config", "env")
+FORMATS = ("argv", "config", "env", "docker", "k8s")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_BENCH_MODEL = "deepseek-ai/DeepSeek-V4-Flash-0731"
 
@@ -124,10 +124,18 @@ def bench_shell_command(config: BenchConfig, argv: list[str], program: str = "vl
     return " \\\n".join(lines)
 
 
-def _render_serve(config: ServeConfig, fmt: str, node: str | None) -> str:
-    targets = (
-        [config] if (node or not config.nodes) else [config.for_node(n) for n in config.node_names]
-    )
+def _render_serve(config: ServeConfig, fmt: str, node: str | None, image: str | None) -> str:
+    if fmt == "docker":
+        from dsv4_presets.deploy import render_docker
+
+        return render_docker(config, image=image, only_this_node=node is not None)
+    if fmt == "k8s":
+        from dsv4_presets.deploy import render_k8s
+
+        if node is not None:
+            raise PresetError("--format k8s renders every node of the preset: drop --node")
+        return render_k8s(config, image=image)
+    targets = [config] if (node or not config.nodes) else config.all_nodes()
     if fmt != "argv" and len(targets) > 1:
         raise PresetError(
             f"preset {config.name!r} has nodes {', '.join(config.node_names)}: "
@@ -153,6 +161,10 @@ def _render_serve(config: ServeConfig, fmt: str, node: str | None) -> str:
 def cmd_render(args: argparse.Namespace) -> int:
     """Print a preset as a command, a ``vllm serve --config`` file or an environment file."""
     config = _resolve(args)
+    if args.format == "k8s" and isinstance(config, ServeConfig):
+        from dsv4_presets.deploy import with_leader_address
+
+        config = with_leader_address(config)
     report = check(config, with_vllm=False)
     for finding in report.findings:
         _err(str(finding))
@@ -160,8 +172,8 @@ def cmd_render(args: argparse.Namespace) -> int:
         _err(f"{args.preset}: not rendered because of the errors above (--force renders anyway)")
         return 1
     if isinstance(config, BenchConfig):
-        if args.format == "env":
-            raise PresetError("--format env applies to serve presets")
+        if args.format in ("env", "docker", "k8s"):
+            raise PresetError(f"--format {args.format} applies to serve presets")
         if args.format == "config":
             import yaml
 
@@ -176,7 +188,7 @@ def cmd_render(args: argparse.Namespace) -> int:
         )
         print(bench_shell_command(config, argv))
         return 0
-    sys.stdout.write(_render_serve(config, args.format, args.node))
+    sys.stdout.write(_render_serve(config, args.format, args.node, args.image))
     return 0
 
 
@@ -353,7 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=FORMATS,
         default="argv",
         help="argv: the shell command (default); config: YAML for "
-        "`vllm serve --config`; env: an environment file",
+        "`vllm serve --config`; env: an environment file; docker: `docker run` lines with "
+        "vLLM's image; k8s: a LeaderWorkerSet manifest",
+    )
+    p.add_argument(
+        "--image", help="docker/k8s: the container image (default: vLLM's, at the preset's version)"
     )
     p.add_argument("--force", action="store_true", help="render even when the preset has errors")
     p.add_argument("--base-url", help=f"bench presets: the server (default {DEFAULT_BASE_URL})")

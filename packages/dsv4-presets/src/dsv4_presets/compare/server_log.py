@@ -29,7 +29,7 @@ from typing import Any
 __all__ = ["PLUGIN_LINE", "parse_server_log", "read_server_log"]
 
 PLUGIN_LINE = re.compile(
-    r"dsv4-attention (?P<ours>\S+): (?P<state>active|inactive) on vLLM (?P<vllm>\S+)"
+    r"dsv4-attention (?P<ours>\S+): (?P<state>active|inactive) on vLLM (?P<vllm>[^\s:]+)"
     r"(?P<rest>.*)$"
 )
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
