@@ -27,7 +27,8 @@ def test_guide_shows_the_exact_rendered_seed_command():
 def test_guide_lists_every_shipped_preset():
     guide = (DOCS / "serving-guide.md").read_text(encoding="utf-8")
     head = guide.split("## 1.", 1)[0]
-    table = {m.group(1) for m in re.finditer(r"^\| `([a-z0-9-]+)` \|", head, flags=re.M)}
+    first_cells = re.findall(r"^\| ((?:`[a-z0-9-]+`(?:, )?)+) \|", head, flags=re.M)
+    table = {name for cell in first_cells for name in re.findall(r"`([a-z0-9-]+)`", cell)}
     assert table == {info.name for info in list_presets()}
 
 
@@ -38,3 +39,29 @@ def test_reference_lists_every_rule():
     for rule in (*SERVE_RULES, *BENCH_RULES):
         for name in rule.name.split(" / "):
             assert f"`{name}`" in reference, name
+
+
+def test_reference_traces_every_layer_option_to_a_source():
+    """Every option a shipped layer sets beyond the seed's command is in the sources table."""
+    from dsv4_presets import resolve_serve
+    from dsv4_presets.presets import serve_preset_names
+
+    reference = (DOCS / "presets.md").read_text(encoding="utf-8")
+    sources = reference.split("## Every flag and where it comes from", 1)[1]
+    seed = resolve_serve("h200-tp8-ep").args
+    for name in serve_preset_names():
+        config = resolve_serve(name, sets=["data-parallel-address=10.0.0.1"])
+        for target in config.all_nodes():
+            for key in target.args:
+                if key in seed or key.startswith("data-parallel") or key in ("headless",):
+                    continue
+                assert f"`{key}`" in sources, (name, key)
+            for var in target.env:
+                assert f"`{var}`" in sources, (name, var)
+
+
+def test_guide_client_guidance_matches_vllms_chat_template_keys():
+    guide = (DOCS / "serving-guide.md").read_text(encoding="utf-8")
+    assert '"chat_template_kwargs": {"thinking": True, "reasoning_effort": "max"}' in guide
+    for text in ("/health", "/v1/models", "VLLM_ENGINE_READY_TIMEOUT_S", "393,216"):
+        assert text in guide
