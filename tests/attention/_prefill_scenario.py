@@ -339,6 +339,63 @@ class Scenario:
             t0 += nq
         return {"out": out, "lse": lse, "abs_pk": abs_pk, "abs_pdelta": abs_pd, "E": E}
 
+    # --- vLLM's own prefill path ------------------------------------------------------
+
+    def workspace_forward(
+        self, layer: str, inputs: StepInputs, q: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's prefill the way vLLM 0.32's ``_forward_prefill`` builds it.
+
+        Gather every compressed entry and the window region of each request into a
+        bf16 workspace (``N`` = most compressed entries, then ``gather_lens =
+        query_len + min(prefix, W-1)`` window tokens from row ``N``), combine the
+        top-k and window into workspace rows, and attend: all through
+        ``dsv4_kernels.reference`` (the references of vLLM's drop-in kernels).
+        The FP8 values are exact in bf16, so this sees the same keys as the
+        paged forward, in another order.
+        """
+        from dsv4_kernels import reference as ref
+        from dsv4_kernels.reference import sparse_mla as ref_attn
+
+        ratio = RATIO[layer]
+        T = inputs.num_tokens
+        B = len(inputs.positions)
+        qsl = inputs.query_start_loc
+        seq = inputs.seq_lens[:B]
+        qlen = (qsl[1:] - qsl[:-1]).to(seq.dtype)
+        gather = qlen + (seq - qlen).clamp(max=WINDOW - 1)
+        N = int((seq // ratio).max()) if ratio > 1 else 0
+        M = N + int(gather.max())
+        kv = torch.zeros((B, M, HEAD_DIM), dtype=torch.bfloat16, device=self.device)
+        if ratio > 1:
+            ref.dequantize_and_gather_k_cache(
+                kv, self.comp_cache[layer], seq // ratio, None, inputs.comp_table, KV_BS // ratio, 0
+            )
+        ref.dequantize_and_gather_k_cache(
+            kv, self.window_cache[layer], seq, gather, inputs.window_table, WINDOW_BS, N
+        )
+        topk = {"swa": 0, "c4a": self.topk, "c128a": self.c128a_topk}[layer]
+        combined, lens = ref.combine_topk_swa_indices(
+            inputs.topk_indices[:T] if layer == "c4a" else None,
+            qsl,
+            seq,
+            gather,
+            WINDOW,
+            ratio,
+            topk,
+            M,
+            N,
+            num_tokens=T,
+        )
+        return ref_attn.sparse_mla_workspace(
+            q.to(self.device),
+            kv.reshape(B * M, HEAD_DIM),
+            combined,
+            lens,
+            SCALE,
+            attn_sink=self.sinks[layer].to(self.device),
+        )
+
 
 def fp8_bound(dense_bf16: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Tolerances (out, lse) of FP8 keys against the bf16-key oracle.

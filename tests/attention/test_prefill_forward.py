@@ -13,7 +13,12 @@ block-outer layout.  Each layer's output is checked against
 * the same oracle on the pages' own values (the keys' UE8M0 round trip), at
   float32/bf16 rounding (``bf16_bound``): lse to 2e-4, which one missing,
   extra or wrong key (weight ~1/150) would break;
-* the pure-torch reference forward, at bf16 rounding.
+* the pure-torch reference forward, at bf16 rounding;
+
+and the reference forward against vLLM 0.32's own prefill construction (bf16
+workspace gathered from the same pages, ``combine_topk_swa_indices`` rows,
+attention over the workspace; all through ``dsv4_kernels.reference``): the
+same keys in another order, so lse to 2e-4 and out to one bf16 unit (2^-7 relative).
 
 Outputs are poisoned (NaN) and live in vLLM's padded buffers: the real heads
 of the chunk's rows must all be written, padded heads and spare rows never.
@@ -121,9 +126,21 @@ def run_scenario(
             tol_out, tol_lse = fp8_bound(dense_bf16)
             assert_within(lse, dense_bf16["lse"], tol_lse, f"{what}: lse vs dense (bf16 keys)")
             assert_within(o[:T, :H], dense_bf16["out"], tol_out, f"{what}: out vs dense (bf16)")
-            ref = reference_forward_prefill(q_pad[:, :H], plan, **kw)
+            ref_lse = torch.empty((T, H), dtype=torch.float32, device=sc.device)
+            ref = reference_forward_prefill(q_pad[:, :H], plan, lse=ref_lse, **kw)
             tol_ref = 2.0**-7 * dense_rt["abs_pk"] + 2.0**-7 * dense_rt["out"].abs() + 1e-5
             assert_within(o[:T, :H], ref.cpu().to(torch.float64), tol_ref, f"{what}: vs reference")
+            # vLLM's own path (bf16 workspace + request-local rows) sees the same keys
+            ws_out, ws_lse = sc.workspace_forward(layer, inputs, q)
+            assert_within(
+                ref_lse, ws_lse.cpu().to(torch.float64), tol_lse, f"{what}: lse vs vLLM's path"
+            )
+            assert_within(
+                ref,
+                ws_out.cpu().to(torch.float64),
+                2.0**-7 * ws_out.cpu().abs().to(torch.float64) + 1e-6,  # one bf16 rounding
+                f"{what}: reference forward vs vLLM's workspace path",
+            )
         if expect_launches is not None:
             assert plan.launches == expect_launches(s), f"step {s}: {plan.launches} launches"
 
