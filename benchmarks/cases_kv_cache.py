@@ -37,6 +37,7 @@ from dsv4_kernels.testing import fresh_seed, generator
 from dsv4_kernels.testing.k_cache import (
     assert_same_bytes,
     block_outer_k_cache_group,
+    fill_every_slot,
     poisoned_bf16,
     spread_keys,
 )
@@ -165,12 +166,7 @@ def build_gather_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
         num_pages, table = _layout(shape, device, g)
         cache, allocation = _cache(shape, num_pages, device)
         allocation.random_(0, 256, generator=g)
-        dk.quantize_and_insert_k_cache(
-            spread_keys(num_pages * bs, generator=g, device=device),
-            cache,
-            torch.arange(num_pages * bs, device=device),
-            bs,
-        )
+        fill_every_slot(cache, bs, generator=g)
         seq = torch.full((shape.num_reqs,), shape.seq_len, dtype=torch.int32, device=device)
         gl = None
         rows = shape.seq_len

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     import dsv4_kernels.kv_cache as kvc
     from dsv4_kernels import reference as ref
     from dsv4_kernels.testing import fresh_seed, generator
-    from dsv4_kernels.testing.k_cache import spread_keys
+    from dsv4_kernels.testing.k_cache import fill_every_slot, spread_keys
 
     from . import harness
     from .cases_kv_cache import Shape, _layout
@@ -108,12 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         bs = shape.block_size
         num_pages, table = _layout(shape, dev, g)
         cache = dk.empty_k_cache(num_pages, bs, dev)
-        dk.quantize_and_insert_k_cache(
-            spread_keys(num_pages * bs, generator=g, device=dev),
-            cache,
-            torch.arange(num_pages * bs, device=dev),
-            bs,
-        )
+        fill_every_slot(cache, bs, generator=g)
         seq = torch.full((shape.num_reqs,), shape.seq_len, dtype=torch.int32, device=dev)
         out = torch.empty((shape.num_reqs, shape.seq_len, 512), dtype=torch.bfloat16, device=dev)
         want = torch.full_like(out, float("nan"))

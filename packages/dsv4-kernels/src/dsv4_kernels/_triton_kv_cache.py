@@ -77,6 +77,30 @@ def _e4m3_rne_codes(v):
     return code | sign
 
 
+@triton.jit
+def _slot_offsets(
+    page,
+    in_page,
+    page_stride,
+    SLOTS: tl.constexpr,
+    DATA_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    PAGE_ALIGNED: tl.constexpr,
+):
+    """Byte offsets (int64) of a slot's data and of its scale bytes, pages ``page_stride`` apart.
+
+    ``page`` must be int64.  With ``PAGE_ALIGNED`` the offsets are declared
+    multiples of 16 and 8, so the accesses can be 16-byte vectors.
+    """
+    page_base = page * page_stride
+    data_off = page_base + in_page * DATA_BYTES
+    scale_off = page_base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES
+    if PAGE_ALIGNED:
+        data_off = tl.multiple_of(data_off, 16)
+        scale_off = tl.multiple_of(scale_off, SCALE_BYTES)
+    return data_off, scale_off
+
+
 @triton.jit(do_not_specialize=INSERT_RUNTIME_ARGS)
 def _quantize_and_insert_k_cache_kernel(
     # pointers
@@ -112,14 +136,9 @@ def _quantize_and_insert_k_cache_kernel(
     tok_ok = tok < num_tokens
     slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1).to(tl.int64)
     ok = tok_ok & (slot >= 0) & (slot < num_slots)
-    page = slot // SLOTS
-    in_page = slot % SLOTS
-    page_base = page * page_stride  # int64
-    data_off = page_base + in_page * DATA_BYTES
-    scale_off = page_base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES
-    if PAGE_ALIGNED:
-        data_off = tl.multiple_of(data_off, 16)
-        scale_off = tl.multiple_of(scale_off, SCALE_BYTES)
+    data_off, scale_off = _slot_offsets(
+        slot // SLOTS, slot % SLOTS, page_stride, SLOTS, DATA_BYTES, SCALE_BYTES, PAGE_ALIGNED
+    )
 
     qb = tl.arange(0, NQ_PAD)  # quantisation block (row 7 is padding)
     col = tl.arange(0, QBLOCK)
@@ -214,12 +233,9 @@ def _dequantize_and_gather_k_cache_kernel(
             block_table_ptr + req.to(tl.int64) * table_stride + page_idx, mask=ok, other=0
         ).to(tl.int64)
         ok = ok & (page >= 0) & (page < num_pages)
-        page_base = page * page_stride  # int64
-        data_off = page_base + in_page * DATA_BYTES
-        scale_off = page_base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES
-        if PAGE_ALIGNED:
-            data_off = tl.multiple_of(data_off, 16)
-            scale_off = tl.multiple_of(scale_off, SCALE_BYTES)
+        data_off, scale_off = _slot_offsets(
+            page, in_page, page_stride, SLOTS, DATA_BYTES, SCALE_BYTES, PAGE_ALIGNED
+        )
 
         qb = tl.arange(0, NQ_PAD)
         col = tl.arange(0, QBLOCK)

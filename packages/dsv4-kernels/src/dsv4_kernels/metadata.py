@@ -40,6 +40,21 @@ GLOBAL_BLOCK_K = 512
 GLOBAL_NUM_WARPS = 1
 
 
+def _outputs(
+    out: torch.Tensor | None,
+    lens_out: torch.Tensor | None,
+    num_tokens: int,
+    width: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's (checked) output buffers, or new int32 ones of the right shapes."""
+    if out is None:
+        out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
+    if lens_out is None:
+        lens_out = torch.empty(num_tokens, dtype=torch.int32, device=device)
+    return out, lens_out
+
+
 def _combine_args(
     topk_indices: torch.Tensor | None,
     query_start_loc: torch.Tensor,
@@ -242,13 +257,7 @@ def combine_topk_swa_indices(
             lens_out=lens_out,
             num_tokens=num_tokens,
         )
-    if out is None:
-        out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
-    lens = (
-        lens_out
-        if lens_out is not None
-        else torch.empty(num_tokens, dtype=torch.int32, device=device)
-    )
+    out, lens = _outputs(out, lens_out, num_tokens, width, device)
     if num_tokens == 0:
         return out, lens
     if seq_lens.shape[0] == 0:
@@ -417,13 +426,7 @@ def compute_global_topk_indices_and_lens(
             out=out,
             lens_out=lens_out,
         )
-    if out is None:
-        out = torch.empty((num_tokens, width), dtype=torch.int32, device=device)
-    lens = (
-        lens_out
-        if lens_out is not None
-        else torch.empty(num_tokens, dtype=torch.int32, device=device)
-    )
+    out, lens = _outputs(out, lens_out, num_tokens, width, device)
     if num_tokens == 0:
         return out, lens
     grid = (triton.cdiv(num_tokens, GLOBAL_BLOCK_T),)

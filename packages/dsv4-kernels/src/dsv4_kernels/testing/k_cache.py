@@ -56,6 +56,7 @@ __all__ = [
     "block_outer_k_cache_group",
     "block_outer_k_cache_views",
     "edge_case_keys",
+    "fill_every_slot",
     "poisoned_bf16",
     "poisoned_k_cache",
     "spread_keys",
@@ -107,6 +108,21 @@ def edge_case_keys(n: int, seed: int) -> torch.Tensor:
     zeros[..., 1::7] = -0.0
     nope.copy_(torch.where(kind == 4, zeros, nope))
     return x.reshape(n, HEAD_DIM).to(torch.bfloat16)
+
+
+def fill_every_slot(
+    cache: torch.Tensor, block_size: int, *, generator: torch.Generator
+) -> torch.Tensor:
+    """Write :func:`spread_keys` into every slot of ``cache`` (our insert); return the keys.
+
+    Slot ``s`` holds key ``s``: ``[cache.shape[0] * block_size, 512]`` bf16.
+    """
+    from ..kv_cache import quantize_and_insert_k_cache
+
+    n = cache.shape[0] * block_size
+    keys = spread_keys(n, generator=generator, device=cache.device)
+    quantize_and_insert_k_cache(keys, cache, torch.arange(n, device=cache.device), block_size)
+    return keys
 
 
 def poisoned_k_cache(
