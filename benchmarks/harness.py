@@ -6,10 +6,11 @@ that must move at least (each input read once, each output written once).  The
 ``floor`` provider is that byte count over the device-to-device copy bandwidth
 measured in the same run.
 
-For every provider the harness (1) poisons the outputs, (2) runs it once,
-(3) checks every output element against the reference, and only then (4)
-times it with ``triton.testing.do_bench`` (median and the 20th/80th
-percentiles, in microseconds).
+For every provider the harness (1) poisons its outputs (preallocated
+buffers the provider writes into: ``out=`` buffers, the cache), (2) runs it
+once, (3) checks every element of those buffers against the reference, and
+only then (4) times it with ``triton.testing.do_bench`` (median and the
+20th/80th percentiles, in microseconds).
 """
 
 from __future__ import annotations
@@ -182,7 +183,10 @@ def same_bytes_copy(floor_bytes: int, device: torch.device) -> Provider:
     def check() -> None:
         assert torch.equal(dst, src), "copy differs"
 
-    return Provider(SAME_BYTES_COPY, lambda: dst.copy_(src), lambda: dst.fill_(0), check)
+    def poison() -> None:  # every byte differs from what the copy must write
+        torch.bitwise_not(src, out=dst)
+
+    return Provider(SAME_BYTES_COPY, lambda: dst.copy_(src), poison, check)
 
 
 def run_cases(
