@@ -43,10 +43,10 @@ def test_combine_benchmark_sizes_match_reference(shape: cm.CombineShape, gpu: to
 @pytest.mark.parametrize("layer", ["c4a", "c128a", "swa", "images"])
 def test_combine_random_batches_on_gpu(layer: str, gpu: torch.device) -> None:
     ratio, topk = {"c4a": (4, 512), "c128a": (128, 96), "swa": (1, 0), "images": (4, 512)}[layer]
-    g = torch.Generator().manual_seed(fresh_seed())
-    lens = torch.randint(0, 700, (37,), generator=g).tolist()
+    seed = fresh_seed()  # one seed for the query lengths and the batch
+    lens = torch.randint(0, 700, (37,), generator=generator(seed)).tolist()
     b = make_batch(
-        fresh_seed(),
+        seed,
         query_lens=lens,
         ratio=ratio,
         topk=topk,
