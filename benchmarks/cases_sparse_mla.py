@@ -449,20 +449,42 @@ def summarise_per_token(results: Sequence[Result]) -> str:
 
 SWEEP_SHAPES = ("c4a-flash-tp8-1x16384", "c4a-pro-tp8-1x16384", "swa-flash-tp8-1x16384",
                 "c4a-flash-dp-1x16384")  # fmt: skip
-SWEEP_GRID = {  # (BLOCK_N, NUM_WARPS, NUM_STAGES)
-    "small-heads": [(n, w, s) for n in (16, 32, 64) for w in (4, 8) for s in (1, 2)],
-    "many-heads": [(n, w, 1) for n in (16, 32) for w in (4, 8)],
-}
+
+
+def sweep_grid(heads: int) -> list[dict[str, Any]]:
+    """Tile variants for one head count (first sweep, 2026-11-30: the flat kernel at 32 keys
+    and 4 warps was best at H <= 16, 8 warps at H = 64; a chunked-dot variant was slower)."""
+    if heads <= 16:
+        return [
+            dict(MAX_BLOCK_H=64, BLOCK_N=n, NUM_WARPS=w, PREFETCH=pf, BF16_DEQUANT=bf)
+            for n, w in ((16, 4), (32, 4), (64, 8))
+            for pf in (True, False)
+            for bf in (True, False)
+            if n != 64 or (pf and bf)
+        ]
+    return [
+        dict(MAX_BLOCK_H=bh, BLOCK_N=32, NUM_WARPS=w, PREFETCH=pf, BF16_DEQUANT=True)
+        for bh, w in ((64, 8), (32, 4), (16, 4))
+        for pf in (True, False)
+    ]
+
+
+def _apply(sm: Any, heads: int, variant: dict[str, Any]) -> None:
+    cls = "small" if heads <= sm.SMALL_HEADS else "large"
+    sm.TILES = {**sm.TILES, cls: {k: int(v) for k, v in variant.items()}}
 
 
 def sweep(device: torch.device, rep_ms: int, log: Callable[[str], None] = print) -> list[dict]:
-    """Time tile variants of the paged kernel on the Flash/Pro TP8 and DP shapes."""
+    """Time tile variants of the paged kernel on the Flash/Pro TP8 and DP shapes.
+
+    Leaves the module's tiles as they were; returns one row per variant.
+    """
     import triton.testing
 
     from dsv4_kernels import sparse_mla as sm
 
     rows = []
-    saved = (sm.MAX_BLOCK_H, sm.BLOCK_N, sm.NUM_WARPS, sm.NUM_STAGES)
+    saved = sm.TILES
     try:
         for shape in MATRIX:
             if not any(shape.name.startswith(p) for p in SWEEP_SHAPES):
@@ -473,12 +495,9 @@ def sweep(device: torch.device, rep_ms: int, log: Callable[[str], None] = print)
             lse = torch.empty((T, H), dtype=torch.float32, device=device)
             tokens = check_tokens(T, device)
             want = reference_sample(inp, tokens)
-            grid = [(sm.MAX_BLOCK_H, *v) for v in SWEEP_GRID["small-heads"]]
-            if H > 16:
-                grid = [(bh, *v) for bh in (16, 32, 64) for v in SWEEP_GRID["many-heads"]]
-            for bh, bn, nw, ns in grid:
-                sm.MAX_BLOCK_H, sm.BLOCK_N, sm.NUM_WARPS, sm.NUM_STAGES = bh, bn, nw, ns
-                name = f"bh{bh}-bn{bn}-w{nw}-s{ns}"
+            for variant in sweep_grid(H):
+                _apply(sm, H, variant)
+                name = "-".join(f"{k.lower()}={v}" for k, v in variant.items())
                 try:
                     out.fill_(float("nan"))
                     inp.run_paged(out, lse)
@@ -489,15 +508,35 @@ def sweep(device: torch.device, rep_ms: int, log: Callable[[str], None] = print)
                     )
                 except Exception as exc:  # a variant that fails to compile or is wrong
                     msg = f"{type(exc).__name__}: {exc}"[:200]
-                    log(f"  {shape.name:<34} {name:<22} FAILED {msg}")
+                    log(f"  {shape.name:<30} {name:<75} FAILED {msg}")
                     continue
                 ns_tok = ms * 1e6 / T
-                rows.append({"case": shape.name, "variant": name, "ns_per_token": ns_tok})
-                log(f"  {shape.name:<34} {name:<22} {ns_tok:8.1f} ns/token")
+                rows.append(
+                    {"case": shape.name, "heads": H, "variant": variant, "ns_per_token": ns_tok}
+                )
+                log(f"  {shape.name:<30} {name:<75} {ns_tok:8.1f} ns/token")
             torch.cuda.empty_cache()
     finally:
-        sm.MAX_BLOCK_H, sm.BLOCK_N, sm.NUM_WARPS, sm.NUM_STAGES = saved
+        sm.TILES = saved
     return rows
+
+
+def best_of_sweep(rows: Sequence[dict]) -> dict[str, dict[str, Any]]:
+    """Per head class, the variant with the lowest summed time over every swept case."""
+    from dsv4_kernels import sparse_mla as sm
+
+    best: dict[str, dict[str, Any]] = {}
+    for cls in ("small", "large"):
+        mine = [r for r in rows if (r["heads"] <= sm.SMALL_HEADS) == (cls == "small")]
+        cases = {r["case"] for r in mine}
+        by_variant: dict[str, list[dict]] = {}
+        for r in mine:
+            by_variant.setdefault(repr(sorted(r["variant"].items())), []).append(r)
+        complete = [v for v in by_variant.values() if len(v) == len(cases)]
+        if complete:
+            winner = min(complete, key=lambda v: sum(r["ns_per_token"] for r in v))
+            best[cls] = winner[0]["variant"]
+    return best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -513,21 +552,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--sweep", action="store_true", help="time tile variants instead (GPU)")
+    p.add_argument(
+        "--then-bench", action="store_true", help="after --sweep, benchmark with the best tiles"
+    )
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     if args.sweep:
         rows = sweep(device, args.rep_ms)
+        best = best_of_sweep(rows)
+        print(f"best per head class: {best}")
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "sweep.json").write_text(json.dumps(rows, indent=1) + "\n")
-        return 0
+            (args.out / "sweep.json").write_text(json.dumps({"rows": rows, "best": best}) + "\n")
+        if not args.then_bench:
+            return 0
+        from dsv4_kernels import sparse_mla as sm
+
+        for cls, variant in best.items():
+            _apply(sm, 8 if cls == "small" else 64, variant)
+        print(f"benchmarking with TILES={sm.TILES}")
     only = [s for s in args.only.split(",") if s]
     pool = MATRIX if gpu else SMOKE
     shapes = [s for s in pool if not only or any(o in s.name for o in only)]
     env = harness.environment(device)
     bw = harness.copy_bandwidth(device)
     env["copy_bandwidth_gbps"] = f"{bw / 1e9:.1f}"
+    from dsv4_kernels import sparse_mla as tiles_of
+
+    env["sparse_mla_tiles"] = json.dumps(tiles_of.TILES)
     print(
         f"device: {env['gpu']}  torch {env['torch']}  triton {env['triton']}  sha {env['git_sha']}"
     )

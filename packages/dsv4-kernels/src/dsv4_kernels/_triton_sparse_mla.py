@@ -54,11 +54,13 @@ RUNTIME_ARGS = [
 
 
 @triton.jit
-def _load_keys(
+def _load_raw(
     src_ptr,
-    rows,  # [BLOCK_N] int64 slot (paged) or row (workspace)
-    ok,  # [BLOCK_N] which keys are real
+    idx_row_ptr,
+    start,
+    length,
     row_stride,  # page stride in bytes (paged) or row stride in elements (workspace)
+    num_rows,  # slots (rows) in the source: larger indices are holes
     SLOTS: tl.constexpr,
     PAGED: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -71,10 +73,20 @@ def _load_keys(
     SCALE_BYTES: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """``[BLOCK_N, HEAD_DIM]`` bf16 keys (zero for masked rows)."""
+    """The bytes of keys ``start .. start + BLOCK_N`` of an index row: (ok, a, b, sbytes).
+
+    Paged: ``a`` the FP8 codes ``[BLOCK_N, 8, 64]`` uint8 (block 7 zero),
+    ``b`` the rope in block 7 of a ``[BLOCK_N, 8, 64]`` bf16 tile, ``sbytes``
+    ``[BLOCK_N, 8]`` uint8 scale bytes.  Workspace: ``a`` the ``[BLOCK_N,
+    512]`` bf16 rows (``b``, ``sbytes`` unused).
+    """
+    n = tl.arange(0, BLOCK_N)
+    col = start + n
+    idx = tl.load(idx_row_ptr + col, mask=col < length, other=-1).to(tl.int64)
+    ok = (idx >= 0) & (idx < num_rows)
     if PAGED:
-        page = rows // SLOTS
-        in_page = rows % SLOTS
+        page = idx // SLOTS
+        in_page = idx % SLOTS
         base = page * row_stride
         data_off = base + in_page * DATA_BYTES
         scale_off = base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES
@@ -82,33 +94,66 @@ def _load_keys(
             data_off = tl.multiple_of(data_off, 16)
             scale_off = tl.multiple_of(scale_off, 8)
         qb = tl.arange(0, NQ_PAD)  # 8 blocks of 64: 7 FP8 blocks, then the rope
-        col = tl.arange(0, QBLOCK)
-        elem = qb[:, None] * QBLOCK + col[None, :]  # [8, 64]
+        e = tl.arange(0, QBLOCK)
+        elem = qb[:, None] * QBLOCK + e[None, :]  # [8, 64]
         is_nope = (qb < NQ)[None, :, None]
         data = src_ptr + data_off
         codes = tl.load(
             data[:, None, None] + elem[None, :, :], mask=ok[:, None, None] & is_nope, other=0
         )
-        sbytes = tl.load(
-            (src_ptr + scale_off)[:, None] + qb[None, :],
-            mask=ok[:, None] & (qb < NQ)[None, :],
-            other=0,
-        )
-        scale = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2**(byte - 127)
-        nope = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
         rope_src = (data + NOPE).to(tl.pointer_type(tl.bfloat16))
         rope = tl.load(
             rope_src[:, None, None] + (elem - NOPE)[None, :, :],
             mask=ok[:, None, None] & (qb == NQ)[None, :, None],
             other=0.0,
         )
-        k = tl.where(is_nope, nope, rope.to(tl.float32))
-        return tl.reshape(k, (BLOCK_N, HEAD_DIM)).to(tl.bfloat16)
+        sbytes = tl.load(
+            (src_ptr + scale_off)[:, None] + qb[None, :],
+            mask=ok[:, None] & (qb < NQ)[None, :],
+            other=0,
+        )
+        return ok, codes, rope, sbytes
     else:
         d = tl.arange(0, HEAD_DIM)
-        return tl.load(
-            src_ptr + rows[:, None] * row_stride + d[None, :], mask=ok[:, None], other=0.0
+        rows = tl.load(
+            src_ptr + idx[:, None] * row_stride + d[None, :], mask=ok[:, None], other=0.0
         )
+        return ok, rows, rows, ok
+
+
+@triton.jit
+def _keys_from_raw(
+    a,
+    b,
+    sbytes,
+    PAGED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NQ: tl.constexpr,
+    NQ_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BF16_DEQUANT: tl.constexpr,
+):
+    """``[BLOCK_N, 512]`` bf16 keys from :func:`_load_raw`'s bytes (zero for masked rows).
+
+    ``code * 2**(byte - 127)`` is exact in bf16 (4 significant bits), so with
+    ``BF16_DEQUANT`` the dequantisation multiplies in bf16 (Triton's interpreter
+    multiplies bf16 wrongly: there it goes through float32, same result).
+    """
+    if PAGED:
+        scale = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2**(byte - 127)
+        if BF16_DEQUANT:
+            nope = (
+                a.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+                * scale.to(tl.bfloat16)[:, :, None]
+            )
+        else:
+            nope = a.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, :, None]
+            nope = nope.to(tl.bfloat16)
+        is_nope = (tl.arange(0, NQ_PAD) < NQ)[None, :, None]
+        k = tl.where(is_nope, nope, b)
+        return tl.reshape(k, (BLOCK_N, HEAD_DIM))
+    else:
+        return a
 
 
 @triton.jit
@@ -121,7 +166,7 @@ def _attend_source(
     idx_row_ptr,  # this token's index row
     length,  # keys counted in this row
     row_stride,
-    num_rows,  # slots (rows) in the source: larger indices are holes
+    num_rows,
     qk_scale,  # scale * log2(e)
     SLOTS: tl.constexpr,
     PAGED: tl.constexpr,
@@ -135,18 +180,19 @@ def _attend_source(
     SCALE_BYTES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BF16_DEQUANT: tl.constexpr,
 ):
-    n = tl.arange(0, BLOCK_N)
-    for start in tl.range(0, length, BLOCK_N, num_stages=NUM_STAGES):
-        col = start + n
-        idx = tl.load(idx_row_ptr + col, mask=col < length, other=-1).to(tl.int64)
-        ok = (idx >= 0) & (idx < num_rows)
-        k = _load_keys(
+    """Online softmax over one key source; with ``PREFETCH`` the next tile's bytes are
+    requested before this tile's math, so loads overlap compute within a program."""
+    if PREFETCH:
+        ok, a, b, sb = _load_raw(
             src_ptr,
-            idx,
-            ok,
+            idx_row_ptr,
+            0,
+            length,
             row_stride,
+            num_rows,
             SLOTS,
             PAGED,
             ALIGNED,
@@ -159,6 +205,48 @@ def _attend_source(
             SCALE_BYTES,
             BLOCK_N,
         )
+    for start in range(0, length, BLOCK_N):
+        if PREFETCH:
+            n_ok, n_a, n_b, n_sb = _load_raw(
+                src_ptr,
+                idx_row_ptr,
+                start + BLOCK_N,
+                length,
+                row_stride,
+                num_rows,
+                SLOTS,
+                PAGED,
+                ALIGNED,
+                HEAD_DIM,
+                NOPE,
+                QBLOCK,
+                NQ,
+                NQ_PAD,
+                DATA_BYTES,
+                SCALE_BYTES,
+                BLOCK_N,
+            )
+        else:
+            ok, a, b, sb = _load_raw(
+                src_ptr,
+                idx_row_ptr,
+                start,
+                length,
+                row_stride,
+                num_rows,
+                SLOTS,
+                PAGED,
+                ALIGNED,
+                HEAD_DIM,
+                NOPE,
+                QBLOCK,
+                NQ,
+                NQ_PAD,
+                DATA_BYTES,
+                SCALE_BYTES,
+                BLOCK_N,
+            )
+        k = _keys_from_raw(a, b, sb, PAGED, HEAD_DIM, NQ, NQ_PAD, BLOCK_N, BF16_DEQUANT)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -175,6 +263,8 @@ def _attend_source(
         else:
             acc = tl.dot(p.to(tl.bfloat16), k, acc)
         m_i = m_new
+        if PREFETCH:
+            ok, a, b, sb = n_ok, n_a, n_b, n_sb
     return acc, m_i, l_i
 
 
@@ -228,7 +318,8 @@ def _sparse_mla_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    BF16_DEQUANT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = (pid // HEAD_BLOCKS).to(tl.int64)
@@ -272,7 +363,8 @@ def _sparse_mla_kernel(
         SCALE_BYTES,
         BLOCK_N,
         DOT_FP32,
-        NUM_STAGES,
+        PREFETCH,
+        BF16_DEQUANT,
     )
     if HAS_B:
         b_len = b_width
@@ -301,7 +393,8 @@ def _sparse_mla_kernel(
             SCALE_BYTES,
             BLOCK_N,
             DOT_FP32,
-            NUM_STAGES,
+            PREFETCH,
+            BF16_DEQUANT,
         )
 
     LN2: tl.constexpr = 0.6931471805599453

@@ -66,15 +66,21 @@ _LAYOUT = dict(
 
 # Tile sizes (compile-time constants): see docs/attention.md for the H200 sweep.
 MMA_MIN_M = 16  # tl.dot's smallest M: heads are padded to this inside the kernel
-MAX_BLOCK_H = 64
-BLOCK_N = 32
-NUM_WARPS = 4
-NUM_STAGES = 1
+# Per head count: up to SMALL_HEADS heads (TP8: 8 for V4-Flash, 16 for V4-Pro)
+# one program per token; more heads (DP: 64, 128) split into blocks of
+# MAX_BLOCK_H.  BLOCK_N keys per tile; PREFETCH requests the next tile's bytes
+# before this tile's math; BF16_DEQUANT dequantises with (exact) bf16
+# multiplies (float32 under the interpreter, whose bf16 arithmetic is wrong).
+SMALL_HEADS = 16
+TILES: dict[str, dict[str, int]] = {
+    "small": dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=4, PREFETCH=1, BF16_DEQUANT=1),
+    "large": dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, PREFETCH=1, BF16_DEQUANT=1),
+}
 
 _LOG2E = 1.4426950408889634
 
 
-def _block_h(num_heads: int, max_block_h: int = MAX_BLOCK_H) -> int:
+def _block_h(num_heads: int, max_block_h: int) -> int:
     return min(max(MMA_MIN_M, triton.next_power_of_2(num_heads)), max_block_h)
 
 
@@ -387,13 +393,14 @@ def _launch(
     T, H, _ = q.shape
     if T == 0:
         return
-    max_block_h, block_n, num_warps, num_stages = MAX_BLOCK_H, BLOCK_N, NUM_WARPS, NUM_STAGES
+    tiles = TILES["small" if H <= SMALL_HEADS else "large"]
+    max_block_h, block_n = tiles["MAX_BLOCK_H"], tiles["BLOCK_N"]
     block_h = _block_h(H, max_block_h)
     head_blocks = triton.cdiv(H, block_h)
     a_src, a_idx, a_lens, a_stride, a_rows = a
     b_src, b_idx, b_lens, b_stride, b_rows = b if b is not None else (a_src, a_idx, None, 0, 0)
     grid = (T * head_blocks,)
-    _k._sparse_mla_kernel[grid](
+    args = (
         q,
         out,
         lse,
@@ -420,6 +427,8 @@ def _launch(
         out.stride(1),
         lse.stride(0),
         scale * _LOG2E,
+    )
+    meta = dict(
         A_SLOTS=a_slots,
         A_PAGED=a_paged,
         A_HAS_LENS=a_lens is not None,
@@ -433,6 +442,11 @@ def _launch(
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         DOT_FP32=interpreter_enabled(),
-        NUM_STAGES=num_stages,
-        num_warps=num_warps,
+    )
+    _k._sparse_mla_kernel[grid](
+        *args,
+        **meta,
+        PREFETCH=bool(tiles["PREFETCH"]),
+        BF16_DEQUANT=bool(tiles["BF16_DEQUANT"]) and not interpreter_enabled(),
+        num_warps=tiles["NUM_WARPS"],
     )
