@@ -748,4 +748,6 @@ def test_runner_records_and_report_shows_what_served_each_run(tmp_path: Path) ->
         }
     )
     assert "| A1 | 0.32.0 | active (0.2.0; replaced: combine_topk_swa_indices, " in text
-    assert "| B1 | 0.32.0 (from GET /version) | absent (no dsv4-attention line" in text
+    assert (
+        "| B1 | 0.32.0 (from GET /version) | absent (no dsv4-attention line: not installed" in text
+    )

@@ -36,6 +36,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 NUM_PROMPTS = 8
 
 
+def _plugin_installed() -> bool:
+    """Whether vLLM's plugin loader will find dsv4-attention in this environment."""
+    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
+    return any("dsv4" in ep.name or "dsv4" in ep.value for ep in plugins)
+
+
 @dataclass(frozen=True)
 class Setup:
     serve: Path
@@ -106,7 +112,8 @@ def test_aba_killed_then_resumed(setup: Setup, tmp_path: Path, reaper: list[int]
         setup,
         out,
         f"{setup.serve} label:seqs8",
-        f"{setup.serve} max-num-seqs=1 label:seqs1",
+        # B also switches the dsv4-attention plugin off: its server log must say so.
+        f"{setup.serve} max-num-seqs=1 env:DSV4_KERNELS_DISABLE=1 label:seqs1",
         "ABA",
     )
     log = tmp_path / "first.log"
@@ -162,7 +169,25 @@ def test_aba_killed_then_resumed(setup: Setup, tmp_path: Path, reaper: list[int]
         assert result["server"]["stopped_by"] == "SIGTERM"
         assert result["gpu_release"]["checked"] is False  # no nvidia-smi on this machine
         versions = json.loads((run_dir / "versions.json").read_text())
-        assert versions["vllm_server"] == importlib.metadata.version(providing_distribution())
+        installed = importlib.metadata.version(providing_distribution())
+        assert versions["vllm_server"] == installed
+        # What served the run, read from its server.log: vLLM's start-up line and
+        # the dsv4-attention plugin's line (absent when the plugin is not installed).
+        served = result["served_by"]
+        assert served == versions["served_by"]
+        assert served["vllm_version"] == installed
+        assert served["vllm_version_source"] == "server.log"
+        plugin = served["plugin"]
+        if _plugin_installed() and folder == "02-B1":
+            # Switched off: every vLLM process logs one "inactive" line with the reason.
+            assert plugin["state"] == "inactive", plugin
+            assert plugin["vllm_version"] == installed
+            assert "DSV4_KERNELS_DISABLE" in plugin["reason"]
+            assert len(plugin["lines"]) >= 2  # API server and engine core at least
+        else:
+            # Not installed, or installed but never triggered: the plugin waits for
+            # vLLM's DSV4 model package, which a Llama server never imports.
+            assert plugin == {"state": "absent", "lines": []}, plugin
         results[folder] = result
 
     # The two settings really differed in the servers that ran.
@@ -203,6 +228,9 @@ def test_aba_killed_then_resumed(setup: Setup, tmp_path: Path, reaper: list[int]
         in md
     )
     assert md in resumed.stdout
+    assert "## Servers (read from each run's server.log)" in md
+    for label in ("A1", "B1", "A2"):
+        assert f"| {label} | {installed} | " in md
     if report.get("plot"):
         assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
 

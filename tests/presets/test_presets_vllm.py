@@ -39,8 +39,9 @@ def serve_parser() -> argparse.ArgumentParser:
 
 
 def all_nodes(name: str, *sets: str):
+    """Every node of a preset that runs vLLM (not a Ray worker or a router)."""
     config = resolve_serve(name, sets=[ADDR, *sets])
-    return [config.for_node(n) for n in config.node_names] if config.nodes else [config]
+    return [c for c in config.all_nodes() if c.node_spec is None or c.node_spec.serve]
 
 
 @pytest.mark.parametrize("name", serve_preset_names())
@@ -84,6 +85,11 @@ def _normalise(ns: argparse.Namespace) -> dict[str, Any]:
     data = dict(vars(ns))
     data["model"] = data.pop("model_tag", None) or data["model"]
     data.pop("config", None)
+    if data.get("kv_transfer_config") is not None:
+        # vLLM draws a fresh random engine_id each time it parses the option.
+        fields = dict(vars(data["kv_transfer_config"]))
+        fields.pop("engine_id", None)
+        data["kv_transfer_config"] = fields
     return data
 
 
@@ -285,3 +291,76 @@ def test_vllm_command_runs_vllms_cli_here():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--result-filename" in done.stdout
+
+
+def test_vllm_refuses_the_old_fp4_indexer_spelling_and_reads_the_new_one(root):
+    """The fact behind the Blackwell layer: 0.32 has indexer_kv_dtype, not use_fp4_indexer_cache."""
+    old = resolve_serve(
+        "b200-tp8-ep",
+        sets=[
+            "attention-config.indexer_kv_dtype=null",
+            "attention-config.use_fp4_indexer_cache=true",
+        ],
+    )
+    ns, message = vllm_check.parse(root, ["serve", *old.to_argv()])
+    assert ns is None and "AttentionConfig" in str(message)
+    ns = root.parse_args(["serve", *resolve_serve("b200-tp8-ep").to_argv()])
+    assert ns.attention_config.indexer_kv_dtype == "mxfp4"
+    assert ns.moe_backend == "deep_gemm_mega_moe"
+
+
+def test_dspark_and_dp_graph_settings_parse_as_vllm_reads_them(root):
+    ns = root.parse_args(["serve", *resolve_serve("h200-tp8-ep-dspark").to_argv()])
+    spec = ns.speculative_config
+    assert spec["method"] == "dspark" and spec["num_speculative_tokens"] == 7
+    assert spec["draft_sample_method"] == "probabilistic"
+    from vllm.config.speculative import SpeculativeConfig
+
+    assert "dspark" in str(SpeculativeConfig.__dataclass_fields__["method"].type)
+    ns = root.parse_args(["serve", *resolve_serve("h200-dp8-ep").to_argv()])
+    graphs = ns.compilation_config
+    assert str(graphs.cudagraph_mode).endswith("FULL_AND_PIECEWISE")
+    assert graphs.custom_ops == ["all"]
+
+
+def test_min_vllm_against_the_installed_vllm():
+    import vllm
+
+    from dsv4_presets.validate import check_min_vllm, version_tuple
+
+    for name in serve_preset_names():
+        config = resolve_serve(name, sets=[ADDR])
+        assert version_tuple(vllm.__version__) >= version_tuple(config.min_vllm or "0")
+        assert check_min_vllm(config, vllm.__version__) == []
+
+
+@pytest.mark.parametrize("logo", [False, True])
+def test_server_log_reads_vllms_own_version_line(logo, monkeypatch):
+    """The compare runner's parser on the exact text vLLM's start-up logging writes.
+
+    vLLM's logging is configured as ``vllm serve`` configures it (its "vllm"
+    handler and formatter, which is what makes it print the logo), with the
+    handler's stream pointed at a buffer for the call.
+    """
+    import io
+    import logging
+
+    import vllm
+    from vllm.config.logging import LoggingConfig
+    from vllm.entrypoints.serve.utils import api_utils
+    from vllm.logger import configure_logging, init_logger
+
+    from dsv4_presets.compare.server_log import parse_server_log
+
+    configure_logging(LoggingConfig())
+    monkeypatch.setattr(api_utils.envs, "VLLM_DISABLE_LOG_LOGO", not logo, raising=False)
+    (handler,) = logging.getLogger("vllm").handlers
+    stream = io.StringIO()
+    old = handler.setStream(stream)
+    try:
+        api_utils.log_version_and_model(init_logger("vllm.dsv4_test"), vllm.__version__, "tiny")
+    finally:
+        handler.setStream(old)
+    text = stream.getvalue()
+    assert ("█" in text) == logo, text
+    assert parse_server_log(text)["vllm_version"] == vllm.__version__

@@ -255,7 +255,7 @@ def _vllm_text(served_by: Mapping[str, Any]) -> str:
 def _plugin_text(plugin: Mapping[str, Any]) -> str:
     state = plugin.get("state", "absent")
     if state == "absent":
-        return "absent (no dsv4-attention line: not installed)"
+        return "absent (no dsv4-attention line: not installed, or the model is not DSV4)"
     version = plugin.get("plugin_version", "?")
     if state == "active":
         replaced = ", ".join(plugin.get("replaced", [])) or "nothing listed"

@@ -14,8 +14,10 @@ refuse the version):
       dsv4-attention <ours>: active on vLLM <vllm> (<platform>); replaced: <names>
       dsv4-attention <ours>: inactive on vLLM <vllm>: <reason>
 
-  No such line means the plugin is not installed in the server's
-  environment: ``absent``.  Several processes (API server, engine core,
+  No such line: ``absent``.  Either the plugin is not installed in the
+  server's environment, or it never had to decide: it waits for vLLM's DSV4
+  model package to be imported, which a server of another model never does
+  (``DSV4_KERNELS_DISABLE=1`` is said at start-up, whatever the model).  Several processes (API server, engine core,
   workers) each log one line; a run counts as ``active`` only when every
   line says so, and ``mixed`` when they disagree.
 """
