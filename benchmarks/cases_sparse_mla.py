@@ -452,20 +452,25 @@ SWEEP_SHAPES = ("c4a-flash-tp8-1x16384", "c4a-pro-tp8-1x16384", "swa-flash-tp8-1
 
 
 def sweep_grid(heads: int) -> list[dict[str, Any]]:
-    """Tile variants for one head count (first sweep, 2026-11-30: the flat kernel at 32 keys
-    and 4 warps was best at H <= 16, 8 warps at H = 64; a chunked-dot variant was slower)."""
+    """Tile variants for one head count.
+
+    Earlier sweeps (2026-11-30, H200, notes in docs/attention.md): 32 keys per
+    tile beat 16 and 64; 4 warps beat 8 at H <= 16, 8 warps and one 64-head
+    block won at H = 64; prefetching the next tile's bytes gave 1.2-2x; bf16
+    dequantisation was ~6% slower than float32; a chunked (8 x 64 batched-dot)
+    formulation was 1.5-2x slower.  This sweep checks Triton's own pipelining.
+    """
     if heads <= 16:
         return [
-            dict(MAX_BLOCK_H=64, BLOCK_N=n, NUM_WARPS=w, PREFETCH=pf, BF16_DEQUANT=bf)
-            for n, w in ((16, 4), (32, 4), (64, 8))
-            for pf in (True, False)
-            for bf in (True, False)
-            if n != 64 or (pf and bf)
-        ]
+            dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=4, NUM_STAGES=ns, PREFETCH=pf,
+                 BF16_DEQUANT=0)
+            for pf in (1, 0)
+            for ns in (1, 3)
+        ]  # fmt: skip
     return [
-        dict(MAX_BLOCK_H=bh, BLOCK_N=32, NUM_WARPS=w, PREFETCH=pf, BF16_DEQUANT=True)
-        for bh, w in ((64, 8), (32, 4), (16, 4))
-        for pf in (True, False)
+        dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=ns, PREFETCH=pf, BF16_DEQUANT=1)
+        for pf in (1, 0)
+        for ns in (1, 3)
     ]
 
 

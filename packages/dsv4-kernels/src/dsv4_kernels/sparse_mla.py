@@ -70,11 +70,17 @@ MMA_MIN_M = 16  # tl.dot's smallest M: heads are padded to this inside the kerne
 # one program per token; more heads (DP: 64, 128) split into blocks of
 # MAX_BLOCK_H.  BLOCK_N keys per tile; PREFETCH requests the next tile's bytes
 # before this tile's math; BF16_DEQUANT dequantises with (exact) bf16
-# multiplies (float32 under the interpreter, whose bf16 arithmetic is wrong).
+# multiplies (float32 under the interpreter, whose bf16 arithmetic is wrong);
+# NUM_STAGES is Triton's own loop pipelining (1: off).  The prefetch applies to
+# FP8 pages only: a bf16 workspace tile is too large to hold twice.
 SMALL_HEADS = 16
 TILES: dict[str, dict[str, int]] = {
-    "small": dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=4, PREFETCH=1, BF16_DEQUANT=1),
-    "large": dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, PREFETCH=1, BF16_DEQUANT=1),
+    "small": dict(
+        MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=4, NUM_STAGES=1, PREFETCH=1, BF16_DEQUANT=0
+    ),
+    "large": dict(
+        MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=1, PREFETCH=0, BF16_DEQUANT=1
+    ),
 }
 
 _LOG2E = 1.4426950408889634
@@ -446,7 +452,8 @@ def _launch(
     _k._sparse_mla_kernel[grid](
         *args,
         **meta,
-        PREFETCH=bool(tiles["PREFETCH"]),
+        PREFETCH=bool(tiles["PREFETCH"]) and a_paged,
         BF16_DEQUANT=bool(tiles["BF16_DEQUANT"]) and not interpreter_enabled(),
         num_warps=tiles["NUM_WARPS"],
+        num_stages=tiles["NUM_STAGES"],
     )
