@@ -17,9 +17,10 @@ refuse the version):
   No such line: ``absent``.  Either the plugin is not installed in the
   server's environment, or it never had to decide: it waits for vLLM's DSV4
   model package to be imported, which a server of another model never does
-  (``DSV4_KERNELS_DISABLE=1`` is said at start-up, whatever the model).  Several processes (API server, engine core,
-  workers) each log one line; a run counts as ``active`` only when every
-  line says so, and ``mixed`` when they disagree.
+  (``DSV4_KERNELS_DISABLE=1`` is said at start-up, whatever the model).
+  Several processes (API server, engine core, workers) each log one line; a
+  run counts as ``active`` only when every line says so, and ``mixed`` when
+  they disagree.
 """
 
 from __future__ import annotations
