@@ -484,3 +484,48 @@ def test_workspace_bad_input_raises(name: str) -> None:
     kw |= change
     with pytest.raises(ValueError, match=match):
         dk.sparse_mla_workspace(**kw)
+
+
+# --- tile variants ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        dict(MAX_BLOCK_H=16, BLOCK_N=16, NUM_WARPS=4, NUM_STAGES=1, PREFETCH=0, BF16_DEQUANT=0),
+        dict(MAX_BLOCK_H=16, BLOCK_N=32, NUM_WARPS=4, NUM_STAGES=1, PREFETCH=1, BF16_DEQUANT=0),
+        dict(MAX_BLOCK_H=32, BLOCK_N=16, NUM_WARPS=4, NUM_STAGES=1, PREFETCH=1, BF16_DEQUANT=0),
+    ],
+    ids=["16-heads-no-prefetch", "16-heads-prefetch", "32-heads-prefetch"],
+)
+@pytest.mark.parametrize("H", [5, 40])
+def test_tile_variants_and_head_blocks(
+    tiles: dict, H: int, kernel_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several head blocks per token (H = 40 in blocks of 16 or 32), with and without the
+    prefetch of the next key tile, give the spec's result."""
+    from dsv4_kernels import sparse_mla as sm
+
+    monkeypatch.setattr(sm, "TILES", {"small": tiles, "large": tiles})
+    seed = fresh_seed()
+    g, swa, comp, a_idx, a_len, b_idx, b_len = _case(kernel_device, seed, layers=2, T=3)
+    q = ts.random_q(a_idx.shape[0], H, generator=g, device=kernel_device)
+    sink = ts.random_sink(H, generator=g, device=kernel_device)
+    out, lse = _outputs(a_idx.shape[0], H, kernel_device)
+    dk.sparse_mla_paged(
+        q,
+        swa.cache,
+        a_idx,
+        a_len,
+        SCALE,
+        swa_block_size=64,
+        attn_sink=sink,
+        comp_cache=comp.cache,
+        comp_indices=b_idx,
+        comp_lens=b_len,
+        comp_block_size=2,
+        out=out,
+        lse=lse,
+    )
+    sources = [(swa.values, a_idx, a_len), (comp.values, b_idx, b_len)]
+    _check(out, lse, spec(q, sources, SCALE, sink))
