@@ -15,7 +15,10 @@ compressed-cache slots) ``BLOCK_N`` keys at a time:
   times a power of two fits bf16), used as K for ``S = q K^T`` and as V for
   ``O += P V``;
 * online softmax in base 2 (``scale * log2(e)`` folded into the scores),
-  masked keys (past the length, ``-1``, or slots past the cache) at ``-inf``.
+  masked keys (past the length, ``-1``, or slots past the cache) at ``-inf``;
+* with ``PREFETCH``, the next tile's index entries and bytes are requested
+  before this tile's math, so the gather overlaps the compute (Triton's own
+  loop pipelining does not reach these dependent gathers).
 
 At the end ``lse = ln 2 * (m + log2 l)`` (without the sink) and ``o =
 acc / l / (1 + exp(sink - lse))``; a row with no valid key writes 0 and
@@ -24,7 +27,8 @@ programs of one token run together and neighbouring tokens (which share
 window keys) run close in time.
 
 ``DOT_FP32`` up-casts the dot operands to fp32: Triton's interpreter
-computes ``tl.dot`` on bf16 operands wrongly (DESIGN.md, "Where it runs").
+computes ``tl.dot`` on bf16 operands wrongly (DESIGN.md, "Where it runs"),
+and its bf16 multiplies too, so ``BF16_DEQUANT`` is off there.
 """
 
 from __future__ import annotations
