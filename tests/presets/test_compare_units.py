@@ -17,7 +17,7 @@ from _process import group_alive
 
 from dsv4_presets import local_http
 from dsv4_presets.bench import bench_verdict
-from dsv4_presets.compare import cli, process, report, rundir, runner
+from dsv4_presets.compare import campaign, cli, process, report, rundir, runner
 from dsv4_presets.compare.spec import parse_spec, plan_runs
 
 # ---------------------------------------------------------------------------
@@ -427,8 +427,8 @@ def test_dsv4_command_registers_compare(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def _campaign(out: Path, a_vllm: tuple[str, ...], b_vllm: tuple[str, ...], retry: bool = False):
-    def variant(letter: str, vllm: tuple[str, ...]) -> runner.ResolvedVariant:
-        return runner.ResolvedVariant(
+    def variant(letter: str, vllm: tuple[str, ...]) -> campaign.ResolvedVariant:
+        return campaign.ResolvedVariant(
             spec=parse_spec("tiny.yaml", variant=letter),
             preset="tiny",
             model="/models/tiny",
@@ -442,13 +442,13 @@ def _campaign(out: Path, a_vllm: tuple[str, ...], b_vllm: tuple[str, ...], retry
     def build_args(**kwargs: Any) -> list[str]:
         return ["--num-prompts", "1", "--result-filename", kwargs["result_filename"]]
 
-    bench = runner.ResolvedBench(name="b", num_prompts=1, vllm=("true",), build_args=build_args)
-    return runner.Campaign(
+    bench = campaign.ResolvedBench(name="b", num_prompts=1, vllm=("true",), build_args=build_args)
+    return campaign.Campaign(
         out_dir=out,
         runs=plan_runs("AB"),
         variants={"A": variant("A", a_vllm), "B": variant("B", b_vllm)},
         bench=bench,
-        options=runner.RunOptions(health_timeout=30, stop_grace=5, retry_failed=retry),
+        options=campaign.RunOptions(health_timeout=30, stop_grace=5, retry_failed=retry),
     )
 
 
@@ -581,16 +581,16 @@ def test_gpu_release_waits_for_memory_to_return(
     values.write_text("70000,69000\n40000,30000\n5000,900\n1200,800\n")
     _fake_nvidia_smi(tmp_path / "bin", values)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    campaign = _campaign(tmp_path / "camp", ("true",), ("true",))
-    campaign.options = runner.RunOptions(gpu_release_timeout=30, poll_interval=0.01)
-    r = runner._Runner(campaign, Progress(1, live=False))
+    camp = _campaign(tmp_path / "camp", ("true",), ("true",))
+    camp.options = campaign.RunOptions(gpu_release_timeout=30, poll_interval=0.01)
+    r = runner._Runner(camp, Progress(1, live=False))
     got = r._wait_gpu_release([1000, 700])
     assert got["checked"] and got["released"]
     assert got["used_mib"] == [1200, 800]  # within the 1 GiB margin
     # Memory that never comes back: the wait ends at its deadline and says so.
     values.write_text("50000,50000\n")
-    campaign.options = runner.RunOptions(gpu_release_timeout=0.3, poll_interval=0.01)
-    stuck = runner._Runner(campaign, Progress(1, live=False))._wait_gpu_release([1000, 700])
+    camp.options = campaign.RunOptions(gpu_release_timeout=0.3, poll_interval=0.01)
+    stuck = runner._Runner(camp, Progress(1, live=False))._wait_gpu_release([1000, 700])
     assert stuck["checked"] and not stuck["released"]
     assert "not back to baseline" in stuck["note"]
     assert process.gpu_memory_used_mib() == [50000, 50000]
@@ -603,8 +603,8 @@ def test_gpu_release_skipped_without_nvidia_smi(
 
     monkeypatch.setenv("PATH", str(tmp_path))
     assert process.gpu_memory_used_mib() is None
-    campaign = _campaign(tmp_path / "camp", ("true",), ("true",))
-    got = runner._Runner(campaign, Progress(1, live=False))._wait_gpu_release(None)
+    camp = _campaign(tmp_path / "camp", ("true",), ("true",))
+    got = runner._Runner(camp, Progress(1, live=False))._wait_gpu_release(None)
     assert got == {"checked": False, "note": "nvidia-smi not found: no GPU memory to wait for"}
 
 

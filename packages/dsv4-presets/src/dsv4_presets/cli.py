@@ -38,8 +38,7 @@ def _err(text: str) -> None:
     print(text, file=sys.stderr)
 
 
-def _add_preset_args(parser: argparse.ArgumentParser, *, node: bool = True) -> None:
-    parser.add_argument("preset", help="a shipped preset name (see `dsv4 presets`) or a YAML file")
+def _add_set(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--set",
         dest="sets",
@@ -49,6 +48,11 @@ def _add_preset_args(parser: argparse.ArgumentParser, *, node: bool = True) -> N
         help="override an option (repeatable): tensor-parallel-size=4, "
         "speculative-config.num_speculative_tokens=2, env.VLLM_LOGGING_LEVEL=DEBUG, key=null",
     )
+
+
+def _add_preset_args(parser: argparse.ArgumentParser, *, node: bool = True) -> None:
+    parser.add_argument("preset", help="a shipped preset name (see `dsv4 presets`) or a YAML file")
+    _add_set(parser)
     if node:
         parser.add_argument(
             "--node", default=None, help="the node of a multi-node preset (default: all/first)"
@@ -379,14 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="check a preset with the DSV4 rules and vLLM's parser")
     p.add_argument("preset", nargs="?", help="a shipped preset name or a YAML file")
-    p.add_argument(
-        "--set",
-        dest="sets",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override an option before checking (repeatable)",
-    )
+    _add_set(p)
     p.add_argument("--model", help="check with this model instead")
     p.add_argument(
         "--vllm",

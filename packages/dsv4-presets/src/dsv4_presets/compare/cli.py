@@ -59,6 +59,26 @@ exit status: 0 every run succeeded, 1 a run failed (see the report),
 
 # The one place the run options' defaults live: RunOptions itself.
 _DEFAULTS = RunOptions()
+# Deadlines in seconds: (flag, RunOptions field, help with {default}).
+_DEADLINES = (
+    (
+        "--health-timeout",
+        "health_timeout",
+        "seconds for a server to become healthy (default: {default})",
+    ),
+    ("--bench-timeout", "bench_timeout", "seconds for one benchmark (default: {default})"),
+    (
+        "--stop-grace",
+        "stop_grace",
+        "seconds between SIGTERM and SIGKILL when stopping (default: {default})",
+    ),
+    (
+        "--gpu-release-timeout",
+        "gpu_release_timeout",
+        "seconds to wait for GPU memory to return to its level before the run "
+        "(default: {default}; skipped without nvidia-smi)",
+    ),
+)
 
 
 def _positive_float(text: str) -> float:
@@ -168,36 +188,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--host", default=_DEFAULTS.host, help=f"server address (default: {_DEFAULTS.host})"
     )
-    where.add_argument(
-        "--health-timeout",
-        type=_positive_float,
-        default=_DEFAULTS.health_timeout,
-        metavar="S",
-        help=f"seconds for a server to become healthy (default: {_DEFAULTS.health_timeout:g})",
-    )
-    where.add_argument(
-        "--bench-timeout",
-        type=_positive_float,
-        default=_DEFAULTS.bench_timeout,
-        metavar="S",
-        help=f"seconds for one benchmark (default: {_DEFAULTS.bench_timeout:g})",
-    )
-    where.add_argument(
-        "--stop-grace",
-        type=_positive_float,
-        default=_DEFAULTS.stop_grace,
-        metavar="S",
-        help="seconds between SIGTERM and SIGKILL when stopping "
-        f"(default: {_DEFAULTS.stop_grace:g})",
-    )
-    where.add_argument(
-        "--gpu-release-timeout",
-        type=_positive_float,
-        default=_DEFAULTS.gpu_release_timeout,
-        metavar="S",
-        help="seconds to wait for GPU memory to return to its level before "
-        f"the run (default: {_DEFAULTS.gpu_release_timeout:g}; skipped without nvidia-smi)",
-    )
+    for flag, field, help_text in _DEADLINES:
+        default = getattr(_DEFAULTS, field)
+        where.add_argument(
+            flag,
+            type=_positive_float,
+            default=default,
+            metavar="S",
+            help=help_text.format(default=f"{default:g}"),
+        )
     where.add_argument(
         "--warmup-requests",
         type=_non_negative_int,

@@ -58,14 +58,14 @@ def start_in_group(
         )
 
 
-def gpu_memory_used_mib() -> list[int] | None:
-    """Used memory per GPU from ``nvidia-smi``, or None where there is no nvidia-smi."""
+def _nvidia_smi(query: str, fmt: str) -> list[str] | None:
+    """The non-empty lines ``nvidia-smi --query-gpu=QUERY --format=FMT`` prints, or None."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None
     try:
         out = subprocess.run(
-            [exe, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            [exe, f"--query-gpu={query}", f"--format={fmt}"],
             capture_output=True,
             text=True,
             timeout=30,
@@ -73,15 +73,18 @@ def gpu_memory_used_mib() -> list[int] | None:
         ).stdout
     except (subprocess.SubprocessError, OSError):
         return None
-    values = []
-    for line in out.splitlines():
-        line = line.strip()
-        if line:
-            try:
-                values.append(int(float(line)))
-            except ValueError:
-                return None
-    return values
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def gpu_memory_used_mib() -> list[int] | None:
+    """Used memory per GPU from ``nvidia-smi``, or None where there is no nvidia-smi."""
+    lines = _nvidia_smi("memory.used", "csv,noheader,nounits")
+    if lines is None:
+        return None
+    try:
+        return [int(float(line)) for line in lines]
+    except ValueError:
+        return None
 
 
 def _process_group_alive(pgid: int) -> bool:
@@ -212,18 +215,5 @@ def host_versions() -> dict[str, Any]:
         "dsv4_presets": __version__,
     }
     versions["git_sha"] = _git_sha()
-    exe = shutil.which("nvidia-smi")
-    if exe:
-        try:
-            out = subprocess.run(
-                [exe, "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            ).stdout
-            versions["gpus"] = [line.strip() for line in out.splitlines() if line.strip()]
-        except (OSError, subprocess.SubprocessError):
-            versions["gpus"] = None
-    else:
-        versions["gpus"] = None
+    versions["gpus"] = _nvidia_smi("name,driver_version", "csv,noheader")
     return versions

@@ -42,10 +42,6 @@ from ..local_http import get as http_get
 from ..local_http import post_json as http_post_json
 from .campaign import (
     Campaign,
-    CampaignInterrupted,
-    ResolvedBench,
-    ResolvedVariant,
-    RunOptions,
     RunResult,
 )
 from .process import (
@@ -77,15 +73,7 @@ from .rundir import (
 from .server_log import read_server_log
 from .spec import PlannedRun
 
-__all__ = [
-    "Campaign",
-    "CampaignInterrupted",
-    "ResolvedBench",
-    "ResolvedVariant",
-    "RunOptions",
-    "RunResult",
-    "run_campaign",
-]
+__all__ = ["run_campaign"]
 
 
 # --------------------------------------------------------------------------
@@ -198,30 +186,28 @@ class _Runner:
         t0 = time.monotonic()
         deadline = t0 + self.o.gpu_release_timeout
         used = gpu_memory_used_mib()
+        released = False
         while used is not None:
-            if len(used) == len(baseline) and all(
+            released = len(used) == len(baseline) and all(
                 u <= b + self.o.gpu_release_margin_mib for u, b in zip(used, baseline, strict=True)
-            ):
-                return {
-                    "checked": True,
-                    "released": True,
-                    "baseline_mib": baseline,
-                    "used_mib": used,
-                    "seconds": round(time.monotonic() - t0, 3),
-                }
-            if time.monotonic() >= deadline:
+            )
+            if released or time.monotonic() >= deadline:
                 break
             self.p.phase("waiting for GPU memory to be released")
             self._sleep(self.o.poll_interval)
             used = gpu_memory_used_mib()
-        return {
+        outcome: dict[str, Any] = {
             "checked": True,
-            "released": False,
+            "released": released,
             "baseline_mib": baseline,
             "used_mib": used,
             "seconds": round(time.monotonic() - t0, 3),
-            "note": f"GPU memory not back to baseline within {self.o.gpu_release_timeout:.0f}s",
         }
+        if not released:
+            outcome["note"] = (
+                f"GPU memory not back to baseline within {self.o.gpu_release_timeout:.0f}s"
+            )
+        return outcome
 
     # ---- one run ----------------------------------------------------------
 

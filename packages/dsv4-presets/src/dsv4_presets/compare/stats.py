@@ -22,6 +22,7 @@ The t quantile is computed from the regularised incomplete beta function
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -153,9 +154,28 @@ def student_t_ppf(q: float, df: float) -> float:
     return 0.5 * (lo + hi)
 
 
+class _Interval:
+    """What both interval kinds share: a method name, bounds and a JSON form."""
+
+    METHOD = ""
+    low: float | None
+    high: float | None
+
+    @property
+    def defined(self) -> bool:
+        """True when ``low`` and ``high`` hold an interval."""
+        return self.low is not None and self.high is not None
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready form: the method, then every field in order."""
+        return {"method": self.METHOD, **dataclasses.asdict(self)}  # type: ignore[call-overload]
+
+
 @dataclass(frozen=True)
-class TInterval:
+class TInterval(_Interval):
     """A Student t interval for a mean, or the reason it is undefined."""
+
+    METHOD = "student-t over paired relative changes"
 
     n: int
     mean: float | None
@@ -165,25 +185,6 @@ class TInterval:
     std: float | None = None
     t_quantile: float | None = None
     undefined_reason: str | None = None
-
-    @property
-    def defined(self) -> bool:
-        """True when ``low`` and ``high`` hold an interval."""
-        return self.low is not None and self.high is not None
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-ready form."""
-        return {
-            "method": "student-t over paired relative changes",
-            "n": self.n,
-            "mean": self.mean,
-            "low": self.low,
-            "high": self.high,
-            "confidence": self.confidence,
-            "std": self.std,
-            "t_quantile": self.t_quantile,
-            "undefined_reason": self.undefined_reason,
-        }
 
 
 def _check_confidence(confidence: float) -> None:
@@ -278,8 +279,10 @@ def pair_runs(sequence: Sequence[tuple[str, str]], ok: Mapping[str, bool]) -> li
 
 
 @dataclass(frozen=True)
-class BootstrapInterval:
+class BootstrapInterval(_Interval):
     """A percentile bootstrap interval, or the reason it is undefined."""
+
+    METHOD = "percentile bootstrap, requests resampled within each run"
 
     estimate: float | None
     low: float | None
@@ -288,24 +291,6 @@ class BootstrapInterval:
     resamples: int
     seed: int
     undefined_reason: str | None = None
-
-    @property
-    def defined(self) -> bool:
-        """True when ``low`` and ``high`` hold an interval."""
-        return self.low is not None and self.high is not None
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-ready form."""
-        return {
-            "method": "percentile bootstrap, requests resampled within each run",
-            "estimate": self.estimate,
-            "low": self.low,
-            "high": self.high,
-            "confidence": self.confidence,
-            "resamples": self.resamples,
-            "seed": self.seed,
-            "undefined_reason": self.undefined_reason,
-        }
 
 
 def _percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -357,32 +342,22 @@ def bootstrap_relative_change(
     _check_confidence(confidence)
     if resamples < 10:
         raise ValueError(f"resamples must be at least 10, got {resamples}")
+
+    def undefined(reason: str) -> BootstrapInterval:
+        return BootstrapInterval(None, None, None, confidence, resamples, seed, reason)
+
     complete = [p for p in pairs if p.complete]
     if not complete:
-        return BootstrapInterval(None, None, None, confidence, resamples, seed, "no complete pair")
+        return undefined("no complete pair")
     labels = sorted({p.b for p in complete} | {a for p in complete for a in p.a})
     clusters: dict[str, list[Sequence[float]]] = {}
     for label in labels:
         if label not in samples:
-            return BootstrapInterval(
-                None,
-                None,
-                None,
-                confidence,
-                resamples,
-                seed,
-                f"run {label} has no per-request samples",
-            )
+            return undefined(f"run {label} has no per-request samples")
         usable = [c for c in samples[label] if len(c) > 0]
         if len(usable) < 2:
-            return BootstrapInterval(
-                None,
-                None,
-                None,
-                confidence,
-                resamples,
-                seed,
-                f"run {label} has {len(usable)} usable requests; the bootstrap needs at least 2",
+            return undefined(
+                f"run {label} has {len(usable)} usable requests; the bootstrap needs at least 2"
             )
         clusters[label] = usable
     point = _statistic(complete, {k: _pooled_mean(v) for k, v in clusters.items()})
