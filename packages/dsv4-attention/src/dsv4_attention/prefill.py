@@ -20,10 +20,13 @@ layer's ``attn_metadata``: ``block_table[num_decodes:]`` and ``block_size //
 compress_ratio`` of the compressed cache; the indexer's top-k buffer rows of
 the prefill tokens; vLLM's C128A row width).
 
-Not covered (refused with a ``ValueError``; such batches must take vLLM's own
-prefill): in-image bidirectional visibility (vLLM's vision variant, whose
-window reaches past W and ahead of the token) and SWA bounded replay
-(DeepSeek-V4.1).  Text-only DSV4 batches never have either.
+Not covered; such batches must take vLLM's own prefill: in-image
+bidirectional visibility (vLLM's vision variant, whose window reaches past W
+and ahead of the token; :class:`PrefillPlan` refuses ``left_visible`` /
+``right_visible`` with a ``ValueError``), and SWA bounded replay (a
+DeepSeek-V4.1 feature, whose window starts no earlier than a per-request
+replay position; there is no argument for it here).  Text-only DSV4 batches
+have neither.
 
 :func:`reference_forward_prefill` is the same forward in pure torch: the
 reference index rows, then the reference attention, which gathers and
