@@ -43,6 +43,8 @@ ARG_ORDER = (
     "max-num-batched-tokens",
 )
 
+NODE_FIELDS = ("name", "description", "args", "env", "setup", "serve")
+
 BENCH_ORDER = (
     "backend",
     "dataset-name",
@@ -110,6 +112,50 @@ class NodeSpec:
     """Shell lines to run on this node before vLLM (``{option-name}`` is filled in)."""
     serve: bool = True
     """False for nodes that run no vLLM process themselves (Ray workers, a router)."""
+
+
+def nodes_from_data(value: Any, source: str) -> tuple[NodeSpec, ...]:
+    """Parse a preset's ``dsv4.nodes`` list (``source`` names the preset in errors)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not value:
+        raise PresetError(f"{source}: 'dsv4.nodes' must be a non-empty list, got {value!r}")
+    specs = []
+    for i, entry in enumerate(value):
+        where = f"{source}: dsv4.nodes[{i}]"
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise PresetError(f"{where}: expected a mapping with a 'name', got {entry!r}")
+        for key in entry:
+            if key not in NODE_FIELDS:
+                raise PresetError(
+                    f"{where}: unknown key {key!r}; expected one of {', '.join(NODE_FIELDS)}"
+                )
+        args = entry.get("args") or {}
+        if not isinstance(args, dict):
+            raise PresetError(f"{where}.args: expected a mapping of options, got {args!r}")
+        env = entry.get("env") or {}
+        if not isinstance(env, dict):
+            raise PresetError(f"{where}.env: expected a mapping of variables, got {env!r}")
+        setup = entry.get("setup") or []
+        if not isinstance(setup, list) or not all(isinstance(s, str) for s in setup):
+            raise PresetError(f"{where}.setup: expected a list of shell lines, got {setup!r}")
+        serve = entry.get("serve", True)
+        if not isinstance(serve, bool):
+            raise PresetError(f"{where}.serve: expected true or false, got {serve!r}")
+        specs.append(
+            NodeSpec(
+                name=entry["name"],
+                description=str(entry.get("description", "")),
+                args=dict(canonical_bool(k.replace("_", "-"), v) for k, v in args.items()),
+                env=dict(env),
+                setup=tuple(setup),
+                serve=serve,
+            )
+        )
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise PresetError(f"{source}: node names must be unique, got {names}")
+    return tuple(specs)
 
 
 def env_text(value: Any) -> str:

@@ -54,13 +54,14 @@ from dsv4_presets.configs import (
     BENCH_ORDER,
     BenchConfig,
     NodeSpec,
-    Override,
     PresetError,
     ServeConfig,
     apply_overrides,
     canonical_bool,
     merge_options,
+    nodes_from_data,
 )
+from dsv4_presets.overrides import parse_set, parse_sets
 
 __all__ = [
     "ARG_ORDER",
@@ -94,7 +95,6 @@ META_FIELDS = (
     "min_vllm",
 )
 PURPOSES = ("benchmark", "production")
-NODE_FIELDS = ("name", "description", "args", "env", "setup", "serve")
 KINDS = ("serve", "bench", "layers")
 _LABELS = {"serve": "preset", "bench": "bench preset", "layers": "layer"}
 
@@ -304,115 +304,8 @@ def _apply(file: _File, out: _Resolved, stack: tuple[str, ...], kinds: Sequence[
 
 
 # --------------------------------------------------------------------------- #
-# --set overrides: parsed once, here
-# --------------------------------------------------------------------------- #
-
-
-def parse_set(item: str) -> tuple[list[str], Any]:
-    """Split one ``key=value`` override into a key path and a YAML-typed value.
-
-    ``tensor-parallel-size=4`` -> ``(["tensor-parallel-size"], 4)``;
-    ``speculative-config.num_speculative_tokens=2`` sets one key of a mapping;
-    ``env.VLLM_LOGGING_LEVEL=DEBUG`` sets an environment variable; ``key=null``
-    removes the key.  Values are read as YAML scalars (``true``, ``16384``,
-    ``{"a": 1}``); ``inf`` is kept as the string vLLM reads as infinity.
-    """
-    if not isinstance(item, str) or "=" not in item:
-        raise PresetError(f"--set expects key=value, got {item!r}")
-    key, text = item.split("=", 1)
-    key = key.strip()
-    if key.startswith("--"):
-        key = key[2:]
-    if not key or any(not part for part in key.split(".")):
-        raise PresetError(f"--set expects key=value with a non-empty key, got {item!r}")
-    try:
-        value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError as exc:
-        raise PresetError(f"--set {item!r}: value is not valid YAML: {exc}") from None
-    parts = key.split(".")
-    if parts[0] != "env":
-        parts[0] = parts[0].replace("_", "-")
-    return parts, value
-
-
-@dataclass(frozen=True)
-class _Sets:
-    """Parsed ``--set`` items: the model, environment changes and option overrides."""
-
-    model: str | None = None
-    env: tuple[tuple[str, Any], ...] = ()
-    options: tuple[Override, ...] = ()
-
-
-def _parse_sets(sets: Sequence[str]) -> _Sets:
-    if isinstance(sets, str):
-        raise PresetError(
-            f"sets must be a sequence of 'key=value' strings, got the string {sets!r}"
-        )
-    model: str | None = None
-    env: list[tuple[str, Any]] = []
-    options: list[Override] = []
-    for item in sets:
-        parts, value = parse_set(item)
-        if parts[0] == "env":
-            if len(parts) != 2:
-                raise PresetError(f"--set {item!r}: use env.NAME=value")
-            env.append((parts[1], value))
-        elif parts == ["model"]:
-            if not isinstance(value, str) or not value:
-                raise PresetError(f"--set model=...: expected a model name or path, got {value!r}")
-            model = value
-        else:
-            options.append((tuple(parts), value))
-    return _Sets(model=model, env=tuple(env), options=tuple(options))
-
-
-# --------------------------------------------------------------------------- #
 # Serve presets
 # --------------------------------------------------------------------------- #
-
-
-def _nodes(value: Any, source: str) -> tuple[NodeSpec, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not value:
-        raise PresetError(f"{source}: '{META_KEY}.nodes' must be a non-empty list, got {value!r}")
-    specs = []
-    for i, entry in enumerate(value):
-        where = f"{source}: {META_KEY}.nodes[{i}]"
-        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-            raise PresetError(f"{where}: expected a mapping with a 'name', got {entry!r}")
-        for key in entry:
-            if key not in NODE_FIELDS:
-                raise PresetError(
-                    f"{where}: unknown key {key!r}; expected one of {', '.join(NODE_FIELDS)}"
-                )
-        args = entry.get("args") or {}
-        if not isinstance(args, dict):
-            raise PresetError(f"{where}.args: expected a mapping of options, got {args!r}")
-        env = entry.get("env") or {}
-        if not isinstance(env, dict):
-            raise PresetError(f"{where}.env: expected a mapping of variables, got {env!r}")
-        setup = entry.get("setup") or []
-        if not isinstance(setup, list) or not all(isinstance(s, str) for s in setup):
-            raise PresetError(f"{where}.setup: expected a list of shell lines, got {setup!r}")
-        serve = entry.get("serve", True)
-        if not isinstance(serve, bool):
-            raise PresetError(f"{where}.serve: expected true or false, got {serve!r}")
-        specs.append(
-            NodeSpec(
-                name=entry["name"],
-                description=str(entry.get("description", "")),
-                args=dict(canonical_bool(k.replace("_", "-"), v) for k, v in args.items()),
-                env=dict(env),
-                setup=tuple(setup),
-                serve=serve,
-            )
-        )
-    names = [s.name for s in specs]
-    if len(set(names)) != len(names):
-        raise PresetError(f"{source}: node names must be unique, got {names}")
-    return tuple(specs)
 
 
 def resolve_serve(
@@ -435,7 +328,7 @@ def resolve_serve(
     name = file.name
     out = _Resolved()
     _apply(file, out, (), ("layers", "serve"))
-    overrides = _parse_sets(sets)
+    overrides = parse_sets(sets)
     for chosen in (overrides.model, model):
         if chosen is not None:
             if not isinstance(chosen, str) or not chosen:
@@ -463,7 +356,7 @@ def resolve_serve(
             f"preset {name!r}: '{META_KEY}.min_vllm' must be a quoted version such as "
             f'"0.32.0", got {min_vllm!r}'
         )
-    nodes = _nodes(meta.get("nodes"), f"preset {name}")
+    nodes = nodes_from_data(meta.get("nodes"), f"preset {name}")
     config = ServeConfig(
         name=name,
         model=out.model,
@@ -513,7 +406,7 @@ def resolve_bench(name_or_path: str, *, sets: Sequence[str] = ()) -> BenchConfig
             f"bench preset {name!r} sets 'model'; dsv4 bench takes the served model from "
             "the server (or --model): remove it"
         )
-    overrides = _parse_sets(sets)
+    overrides = parse_sets(sets)
     if out.env or overrides.env:
         raise PresetError(f"bench preset {name!r}: environment variables apply to serve presets")
     if overrides.model is not None:

@@ -9,6 +9,7 @@
 * :mod:`.server_log` reads a run's server log: vLLM's version, the plugin's state;
 * :mod:`.stats` pairs runs and computes intervals (paired t, request bootstrap);
 * :mod:`.report` builds the table, JSON and plot from the saved runs;
+* :mod:`.resolve` turns SPECs and the bench name into commands, through the presets;
 * :mod:`.cli` is the ``dsv4 compare`` command.
 """
 
