@@ -316,3 +316,25 @@ def test_vllm_command_override_and_default(monkeypatch):
     assert vllm_exec.vllm_command()[1:] == ["-m", "dsv4_presets.vllm_launcher"]
     monkeypatch.setattr(vllm_exec, "_has_vllm_distribution", lambda: True)
     assert vllm_exec.vllm_command()[1:] == ["-m", "vllm.entrypoints.cli.main"]
+
+
+def test_serve_execs_vllm_with_the_callers_environment_and_the_roles_gpus(monkeypatch, capsys):
+    """Validation quietens vLLM's logging for its checks only; a role's GPUs win."""
+    import dsv4_presets.cli as cli_module
+
+    execs: list[tuple[list[str], dict[str, str]]] = []
+
+    def fake_exec(program, argv, env):
+        execs.append((list(argv), dict(env)))
+
+    monkeypatch.setattr(cli_module.os, "execvpe", fake_exec)
+    monkeypatch.setattr(cli_module, "vllm_available", lambda: True)
+    monkeypatch.setattr(cli_module, "check", lambda config: __import__("dsv4_presets").Report())
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert main(["serve", "h200-pd-nixl", "--node", "decode"]) == 0
+    ((argv, env),) = execs
+    assert "VLLM_LOGGING_LEVEL" not in env  # the server keeps its INFO lines
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"  # the role's GPUs, not the shell's
+    assert argv[argv.index("--port") + 1] == "8200"
+    assert "is not used" in capsys.readouterr().err

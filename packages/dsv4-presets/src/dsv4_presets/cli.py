@@ -237,13 +237,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Validate a serve preset, then replace this process with ``vllm serve``."""
+    # vLLM's environment is the caller's, taken before validation quietens vLLM's
+    # logging for its own checks (the server must keep its INFO lines).
+    env = dict(os.environ)
     config = _resolve(args)
     if isinstance(config, BenchConfig):
         raise PresetError(f"{args.preset!r} is a bench preset: use `dsv4 bench`")
     if config.nodes and args.node is None:
+        where = "roles on this node" if config.same_host else "nodes"
         raise PresetError(
-            f"preset {config.name!r} runs on several nodes ({', '.join(config.node_names)}): "
-            "pass --node NAME on each node"
+            f"preset {config.name!r} runs several {where} ({', '.join(config.node_names)}): "
+            "pass --node NAME for each"
         )
     spec = config.node_spec
     if spec is not None and not spec.serve:
@@ -262,9 +266,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for line in config.setup_lines():
         _err(f"run first on this node: {line}")
     argv = [*vllm_command(), "serve", *config.to_argv()]
-    env = dict(os.environ)
+    # A role's own variables (CUDA_VISIBLE_DEVICES of a prefill/decode role) are
+    # what makes it that role: they win; for the rest, your environment wins.
+    role_env = spec.env if spec is not None else {}
     for key, value in config.env_strings().items():
         if key in env and env[key] != value:
+            if key in role_env:
+                _err(
+                    f"note: node {spec.name if spec else ''} sets {key}={value} "
+                    f"(your environment's {env[key]} is not used)"
+                )
+                env[key] = value
+                continue
             _err(f"note: {key}={env[key]} from your environment overrides the preset's {value}")
         env.setdefault(key, value)
     _err("+ " + shlex.join(argv))
