@@ -120,7 +120,7 @@ def write_plot(results: Sequence[Result], env: dict[str, str], path: Path) -> No
         f"Triton {env['triton']}, {env['git_sha']}",
         fontsize=9,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))  # room for the suptitle
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
