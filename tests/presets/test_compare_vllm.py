@@ -179,14 +179,17 @@ def test_aba_killed_then_resumed(setup: Setup, tmp_path: Path, reaper: list[int]
         assert served["vllm_version_source"] == "server.log"
         plugin = served["plugin"]
         if _plugin_installed() and folder == "02-B1":
-            # Switched off: every vLLM process logs one "inactive" line with the reason.
+            # Switched off: the plugin says so at start-up, with the reason.
             assert plugin["state"] == "inactive", plugin
             assert plugin["vllm_version"] == installed
             assert "DSV4_KERNELS_DISABLE" in plugin["reason"]
-            assert len(plugin["lines"]) >= 2  # API server and engine core at least
+        elif _plugin_installed():
+            # Installed and on: whatever it decided for this platform and model is
+            # what its own line says (absent if it never had to decide).
+            assert plugin["state"] in ("active", "inactive", "absent"), plugin
+            assert all(line["vllm_version"] == installed for line in plugin["lines"])
+            assert "DSV4_KERNELS_DISABLE" not in str(plugin.get("reason"))
         else:
-            # Not installed, or installed but never triggered: the plugin waits for
-            # vLLM's DSV4 model package, which a Llama server never imports.
             assert plugin == {"state": "absent", "lines": []}, plugin
         results[folder] = result
 
