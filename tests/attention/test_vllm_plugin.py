@@ -223,9 +223,10 @@ def test_selector_returns_our_subclass_under_cuda() -> None:
     [
         ({"DSV4_KERNELS_DISABLE": "1"}, ""),
         ({"DSV4_PREFILL_DISABLE": "1"}, ""),
+        ({"DSV4_PREFILL_MAX_HEADS": "0"}, ""),
         ({}, "vllm.__version__ = '0.31.0'"),
     ],
-    ids=["off-switch", "prefill-switch", "version-gate"],
+    ids=["off-switch", "prefill-switch", "max-heads-0", "version-gate"],
 )
 def test_switches_and_gate_keep_vllms_class(env: dict[str, str], before: str) -> None:
     report, _ = run_script(SELECT, before=before, DSV4_KERNELS_FORCE="1", **env)

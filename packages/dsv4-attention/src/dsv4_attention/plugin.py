@@ -217,10 +217,25 @@ def _plan() -> tuple[list[_Patch], str]:
                 raise _Refused(f"{consumer_name}.{name} is not vLLM's {name}")
             patches.append(_Patch(consumer, name, original, ours[name]))
     labels = list(names)
-    if not _flag(ENV_PREFILL_DISABLE):
+    from .vllm_backend import ENV_MAX_HEADS, max_heads
+
+    heads = max_heads()
+    if _flag(ENV_PREFILL_DISABLE):
+        prefill = f"prefill stays vLLM's ({ENV_PREFILL_DISABLE}=1)"
+    elif heads <= 0:
+        prefill = (
+            "prefill stays vLLM's (its FlashMLA prefill is measured faster on this GPU; "
+            f"{ENV_MAX_HEADS}=N enables the head-exact prefill up to N local heads)"
+        )
+    else:
         patches.append(_attention_patch())
-        labels.append("DeepseekV4FlashMLAAttention._forward_prefill (head-exact prefill)")
-    return patches, f"({platform}); replaced: {', '.join(labels)}"
+        labels.append(
+            f"DeepseekV4FlashMLAAttention._forward_prefill (head-exact prefill up to {heads} "
+            "local heads)"
+        )
+        prefill = ""
+    summary = f"({platform}); replaced: {', '.join(labels)}"
+    return patches, f"{summary}; {prefill}" if prefill else summary
 
 
 def _attention_patch() -> _Patch:

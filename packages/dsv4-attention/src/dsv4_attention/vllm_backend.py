@@ -5,10 +5,10 @@ V4-Flash at TP8, 16 for V4-Pro) and feeds its sparse prefill from a bf16
 workspace gathered out of the FP8 pages.  The subclass made here keeps
 everything of vLLM's class (backends, metadata builders, KV-cache specs,
 decode) and overrides only ``_forward_prefill``: where it is measured faster
-(``use_head_exact``) it builds the step's global-slot index rows in one launch
-per layer type (:func:`dsv4_kernels.build_prefill_indices`) and runs
-:func:`dsv4_kernels.sparse_mla_paged` on the real heads straight from the FP8
-pages; otherwise it calls vLLM's own ``_forward_prefill``.
+(``use_head_exact``) it runs :func:`dsv4_attention.prefill.forward_prefill`
+on the real heads straight from the FP8 pages, with the step's index rows
+built once per layer type (:class:`~dsv4_attention.prefill.PrefillPlan`);
+otherwise it calls vLLM's own ``_forward_prefill``.
 
 The subclass is created from the class vLLM defines at run time (the plugin
 checks that class's ``_forward_prefill`` signature first), so this module
@@ -17,6 +17,7 @@ imports nothing of vLLM itself.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from typing import Any
@@ -24,19 +25,33 @@ from typing import Any
 import torch
 
 ENV_MAX_HEADS = "DSV4_PREFILL_MAX_HEADS"
-# Head-exact prefill is used up to this many local query heads.  FlashMLA
-# pads to 64, so below 64 it computes 64/H times the useful work; at 64 heads
-# nothing is padded and the benchmark decides (docs/attention.md).
-DEFAULT_MAX_HEADS = 32
+# Compute capabilities where vLLM's FlashMLA prefill runs (Hopper, Blackwell).
+# There it is measured faster than the head-exact kernel at every head count
+# on the H200 except C128A with short fresh requests (docs/attention.md), so
+# the head-exact prefill is off by default; elsewhere (e.g. sm80, sm89, where
+# FlashMLA cannot run) it is the only prefill and is on for every head count.
+FLASHMLA_MAJORS = (9, 10)
 
-_ROW_CACHE: dict[str, Any] = {"meta": None, "rows": {}}
+
+_STEP: dict[str, Any] = {"meta": None, "plan": None}
+
+
+@functools.cache
+def _default_max_heads() -> int:
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in FLASHMLA_MAJORS:
+        return 0
+    return 128
 
 
 def max_heads() -> int:
-    """Largest local head count that takes the head-exact prefill (``DSV4_PREFILL_MAX_HEADS``)."""
+    """Largest local head count that takes the head-exact prefill.
+
+    ``DSV4_PREFILL_MAX_HEADS`` overrides the measured default: 0 (off) where
+    vLLM's FlashMLA prefill runs (sm90, sm100), 128 (always) elsewhere.
+    """
     raw = os.environ.get(ENV_MAX_HEADS, "")
     if not raw.strip():
-        return DEFAULT_MAX_HEADS
+        return _default_max_heads()
     try:
         value = int(raw)
     except ValueError as exc:
@@ -54,16 +69,26 @@ def use_head_exact(layer: Any, swa_metadata: Any) -> bool:
     )
 
 
-def _step_rows(swa_metadata: Any, key: tuple[Any, ...], build: Any) -> Any:
-    """Rows that depend only on the step's metadata, built once per step and layer type."""
-    held = _ROW_CACHE["meta"]
+def _step_plan(swa_metadata: Any) -> Any:
+    """The step's :class:`~dsv4_attention.prefill.PrefillPlan`, built by its first layer.
+
+    vLLM builds one ``swa_metadata`` object per step; every attention layer of
+    the step sees the same one, so the window and C128A rows the plan holds
+    are built once per step and layer type and reused by the other layers.
+    """
+    from .prefill import PrefillPlan
+
+    held = _STEP["meta"]
     if held is None or held() is not swa_metadata:
-        _ROW_CACHE["meta"] = weakref.ref(swa_metadata)
-        _ROW_CACHE["rows"] = {}
-    rows = _ROW_CACHE["rows"]
-    if key not in rows:
-        rows[key] = build()
-    return rows[key]
+        num_decodes = int(swa_metadata.num_decodes)
+        num_prefills = int(swa_metadata.num_prefills)
+        plan = PrefillPlan(
+            swa_metadata.query_start_loc[num_decodes : num_decodes + num_prefills + 1],
+            swa_metadata.prefill_seq_lens,
+            num_tokens=int(swa_metadata.num_prefill_tokens),
+        )
+        _STEP["meta"], _STEP["plan"] = weakref.ref(swa_metadata), plan
+    return _STEP["plan"]
 
 
 def head_exact_prefill(
@@ -81,78 +106,35 @@ def head_exact_prefill(
     slices; only the first ``layer.n_local_heads`` heads are computed and
     written (vLLM drops the padded ones after attention).
     """
-    import dsv4_kernels as dk
-
-    num_decodes = int(swa_metadata.num_decodes)
-    num_decode_tokens = int(swa_metadata.num_decode_tokens)
-    num_tokens = int(swa_metadata.num_prefill_tokens)
-    num_prefills = int(swa_metadata.num_prefills)
-    query_start_loc = swa_metadata.query_start_loc[num_decodes : num_decodes + num_prefills + 1]
-    seq_lens = swa_metadata.prefill_seq_lens
-    window_table = swa_metadata.block_table[num_decodes:]
-    window_block_size = int(swa_metadata.block_size)
-    window_size = int(layer.window_size)
-    ratio = int(layer.compress_ratio)
-
-    window = _step_rows(
-        swa_metadata,
-        ("window", window_size, window_block_size),
-        lambda: dk.build_prefill_indices(
-            query_start_loc,
-            seq_lens,
-            num_tokens=num_tokens,
-            window_block_table=window_table,
-            window_block_size=window_block_size,
-            window_size=window_size,
-        ),
-    )
-    comp_cache = comp_rows = comp_lens = comp_block_size = None
-    if ratio > 1:
-        comp_block_size = int(attn_metadata.block_size) // ratio
-        comp_table = attn_metadata.block_table[num_decodes:]
-        if ratio == 4:
-            topk_indices = layer.topk_indices_buffer[num_decode_tokens:][:num_tokens]
-            comp = dk.build_prefill_indices(
-                query_start_loc,
-                seq_lens,
-                num_tokens=num_tokens,
-                compress_ratio=4,
-                comp_block_table=comp_table,
-                comp_block_size=comp_block_size,
-                topk_indices=topk_indices,
-            )
-        else:
-            topk = int(attn_metadata.c128a_prefill_topk_indices.shape[-1])
-            comp = _step_rows(
-                swa_metadata,
-                ("c128a", topk, comp_block_size),
-                lambda: dk.build_prefill_indices(
-                    query_start_loc,
-                    seq_lens,
-                    num_tokens=num_tokens,
-                    compress_ratio=128,
-                    comp_block_table=comp_table,
-                    comp_block_size=comp_block_size,
-                    topk=topk,
-                ),
-            )
-        comp_cache, comp_rows, comp_lens = compressed_k_cache, comp.comp, comp.comp_lens
+    from .prefill import forward_prefill
 
     heads = int(layer.n_local_heads)
-    out, _ = dk.sparse_mla_paged(
+    ratio = int(layer.compress_ratio)
+    num_decodes = int(swa_metadata.num_decodes)
+    comp: dict[str, Any] = {}
+    if ratio > 1:
+        comp = {
+            "comp_cache": compressed_k_cache,
+            "comp_block_table": attn_metadata.block_table[num_decodes:],
+            "comp_block_size": int(attn_metadata.block_size) // ratio,
+        }
+        if ratio == 4:
+            num_decode_tokens = int(swa_metadata.num_decode_tokens)
+            comp["topk_indices"] = layer.topk_indices_buffer[num_decode_tokens:]
+        else:
+            comp["c128a_topk"] = int(attn_metadata.c128a_prefill_topk_indices.shape[-1])
+    forward_prefill(
         q[:, :heads],
-        swa_k_cache,
-        window.window,
-        window.window_lens,
-        float(layer.scale),
-        swa_block_size=window_block_size,
+        _step_plan(swa_metadata),
+        compress_ratio=ratio,
+        scale=float(layer.scale),
+        swa_cache=swa_k_cache,
+        swa_block_table=swa_metadata.block_table[num_decodes:],
+        swa_block_size=int(swa_metadata.block_size),
         attn_sink=layer.attn_sink[:heads],
-        comp_cache=comp_cache,
-        comp_indices=comp_rows,
-        comp_lens=comp_lens,
-        comp_block_size=comp_block_size,
+        out=output[:, :heads],
+        **comp,
     )
-    output[:, :heads].copy_(out)
 
 
 def make_head_exact_attention_cls(base: type) -> type:
