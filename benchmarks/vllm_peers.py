@@ -23,32 +23,15 @@ from pathlib import Path
 import torch
 
 import dsv4_kernels as dk
-from dsv4_kernels.geometry import TOKEN_BYTES, page_stride_bytes
-from dsv4_kernels.testing.common import POISON
+from dsv4_kernels.geometry import TOKEN_BYTES
+from dsv4_kernels.testing.common import POISON, generator
+from dsv4_kernels.testing.k_cache import block_outer_k_cache_views, fill_every_slot
 from dsv4_kernels.testing.metadata import combine_bench_inputs, global_bench_inputs
 
 from . import harness, vllm_peer
 from .harness import BenchCase, Provider
 
 POISON_BF16 = -7.0
-
-
-def _block_outer_cache(
-    num_blocks: int, slots: int, layers: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the layer-0 view, the backing buffer) with ``layers`` pages per block, vLLM-style."""
-    page = page_stride_bytes(slots)
-    buf = torch.zeros(num_blocks * page * layers, dtype=torch.uint8, device=device)
-    view = buf.as_strided((num_blocks, slots, TOKEN_BYTES), (page * layers, TOKEN_BYTES, 1))
-    return view, buf
-
-
-def _fill(cache: torch.Tensor, slots: int, g: torch.Generator) -> None:
-    """Quantise random keys into every slot of ``cache`` with our insert."""
-    n = cache.shape[0] * slots
-    k = torch.randn(n, 512, generator=g, device="cpu").to(torch.bfloat16).to(cache.device)
-    mapping = torch.arange(n, dtype=torch.int64, device=cache.device)
-    dk.quantize_and_insert_k_cache(k, cache, mapping, slots)
 
 
 def _gather_case(
@@ -66,8 +49,9 @@ def _gather_case(
     num_reqs = len(seq_lens)
     pages_per_req = [-(-s // slots) for s in seq_lens]
     num_blocks = sum(pages_per_req) + 7
-    cache, _ = _block_outer_cache(num_blocks, slots, layers, device)
-    _fill(cache, slots, g)
+    # layer 0 of ``layers`` pages per block, as vLLM allocates a group
+    cache = block_outer_k_cache_views(num_blocks, slots, layers, device)[0]
+    fill_every_slot(cache, slots, generator=generator(seed, device))
     perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
     width = max(pages_per_req)
     table = torch.zeros(num_reqs, width, dtype=torch.int32)
