@@ -447,11 +447,10 @@ def _random_options(draw):
 def test_random_options_round_trip_through_a_config_file(options, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rt")
     lines = ["dsv4: {extends: h200-tp8-ep}"]
-    import json as _json
-
     for name, value in options.items():
         assert check_value(_TABLE.options[name], value) is None, (name, value)
-        lines.append(f"{name}: {_json.dumps(value)}")  # JSON is valid YAML
+        # Written by a YAML writer: JSON's "1e-15" would read back as a string in YAML 1.1.
+        lines.append(yaml.safe_dump({name: value}, default_flow_style=False).rstrip())
     first = resolve_serve(str(write(tmp, "user.yaml", "\n".join(lines) + "\n")))
     # Its rendered config file, loaded back as a preset, renders the same command.
     second = resolve_serve(str(write(tmp, "rendered.yaml", first.to_config_yaml())))
