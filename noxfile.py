@@ -74,10 +74,11 @@ def _install(session: nox.Session, package: str, extras: str = "test") -> None:
     if package in NEEDS_TORCH:
         session.install(TORCH)
     for dep in LOCAL_DEPS[package]:
-        # --force-reinstall --no-deps: a reused venv gets this tree's code, not a stale copy
-        session.install("--force-reinstall", "--no-deps", f"./packages/{dep}")
+        session.install(f"./packages/{dep}")
     session.install(f"./packages/{package}[{extras}]" if extras else f"./packages/{package}")
-    session.install("--force-reinstall", "--no-deps", f"./packages/{package}")
+    # a reused venv must run this tree's code, not the copy installed last time
+    for name in (*LOCAL_DEPS[package], package):
+        session.install("--force-reinstall", "--no-deps", f"./packages/{name}")
 
 
 def _pytest(session: nox.Session, package: str, *marker_args: str) -> None:
