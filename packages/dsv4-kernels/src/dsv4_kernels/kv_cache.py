@@ -19,8 +19,9 @@ time (64-bit offsets, one compiled kernel for every layer).
 Quantisation of a block of 64 values ``x``: ``e = ceil(log2(max(amax, 1e-4) /
 448))``, codes ``e4m3(clamp(x / 2**e, -448, 448))`` rounded to nearest, ties to
 even (the same bytes as torch's ``.to(torch.float8_e4m3fn)``); dequantisation
-``code * 2**(byte - 127)``, so ``|y - x| <= 2**(e - 4)`` and rope values are
-exact.
+``code * 2**(byte - 127)``, so each element is off by at most half an E4M3
+step at its own code's magnitude, ``|y - x| <= 2**(floor(log2 |x / 2**e|) - 4 + e)``
+(subnormal codes below ``2**-6``: ``2**(e - 10)``), and rope values are exact.
 """
 
 from __future__ import annotations
