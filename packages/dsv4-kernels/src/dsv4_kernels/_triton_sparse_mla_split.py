@@ -1,29 +1,35 @@
 # mypy: allow-untyped-defs
-"""Sparse MLA with sink, second kernel: the 512 values of a key in four column pieces.
+"""Sparse MLA with sink, second kernel (NOT the default): a key's 512 values in four pieces.
 
-Same arguments, grid and semantics as :mod:`._triton_sparse_mla` (launched from
-:mod:`.sparse_mla` when a tile names ``KERNEL="split"``).  What differs is how a
-key tile is held:
+Measured SLOWER than :mod:`._triton_sparse_mla` on the H200 in every TP8 case
+(docs/attention.md, "Column-piece kernel"; best variant 354.6 against 259.9
+ns per token on C4A Flash TP8), so ``sparse_mla.TILES`` does not select it; a
+tile with ``KERNEL=1`` does (the sweep in ``benchmarks/sweep_sparse_mla.py``).
+Same arguments, grid and semantics as the first kernel.  What differs:
 
-* the first kernel gathers a ``[BLOCK_N, 8, 64]`` tile whose block 7 (the
-  rope) is a second, masked ``[BLOCK_N, 8, 64]`` bf16 load: seven eighths of
-  that rope tile are zeros held in registers, and with the prefetch the
-  kernel spills (ptxas for sm_90: 168 registers, about 4.7 KB of spill stores
-  per thread);
-* here a key's 512 values are four pieces of power-of-two width, gathered and
+* a key's values are four pieces of power-of-two width, gathered and
   dequantised separately: FP8 columns 0-255 (scale bytes 0-3), 256-383 (4-5),
-  384-447 (6) and the 64 bf16 rope values.  Every dot runs per piece (``S``
-  accumulates the four partial products, ``O`` has four accumulators), so no
-  register holds a masked-out value and no tile is concatenated.
-
-``KEYS_M`` puts the keys on the MMA's M dimension (``S^T = K q^T``, ``O^T +=
-K^T P^T``, the accumulators ``[piece, BLOCK_H]``): with ``BLOCK_N >= 64`` and
-4 or 8 warps, Hopper's wgmma applies at 8 or 16 heads (M = keys), where the
-heads-as-M form (``S = q K^T``) is limited to ``mma.sync`` at M = 16.
+  384-447 (6) and the 64 bf16 rope values, and every dot runs per piece (``S``
+  sums four partial products, ``O`` has four accumulators).  The first kernel
+  instead loads the rope as a masked ``[BLOCK_N, 8, 64]`` bf16 tile, seven
+  eighths zeros, to build one ``[BLOCK_N, 512]`` tile;
+* ``ONE_DEQUANT`` dequantises each piece once, in the load's layout, behind an
+  identity that Triton does not look through (:func:`_pin`).  Without it
+  Triton hoists each dot's operand conversion above the dequantisation, so the
+  codes are dequantised twice (once per dot layout);
+* ``A_WORDS``/``B_WORDS`` (with ``ONE_DEQUANT``, 16-byte aligned pages, CUDA
+  only) load the codes as int32 words and dequantise four at a time in inline
+  PTX (:data:`_E4M3_ASM`); on the H200 this made the piece kernel 1.7x faster
+  (602.0 to 354.6 ns per token, C4A Flash TP8) but not faster than the first
+  kernel;
+* ``KEYS_M`` puts the keys on the MMA's M dimension (``S^T = K q^T``, ``O^T
+  += K^T P^T``, accumulators ``[piece, BLOCK_H]``), so Triton emits wgmma at
+  8 or 16 heads (``BLOCK_N = 64``); measured slower than heads on M (471.4
+  against 426.9 ns without the prefetch).
 
 ``PREFETCH`` requests the next tile's index entries and bytes before this
-tile's math (FP8 pages and workspace alike: the raw bytes are what is held).
-``DOT_FP32`` (Triton's interpreter) up-casts the dot operands to float32.
+tile's math.  ``DOT_FP32`` (Triton's interpreter) up-casts the dot operands
+to float32; the interpreter runs neither the PTX nor the pin.
 """
 
 from __future__ import annotations

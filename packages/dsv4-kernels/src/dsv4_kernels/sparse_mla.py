@@ -75,8 +75,9 @@ MMA_MIN_M = 16  # tl.dot's smallest M: heads are padded to this inside the kerne
 # NUM_STAGES is Triton's own loop pipelining (1: off).  The prefetch applies to
 # FP8 pages only: a bf16 workspace tile is too large to hold twice.
 # KERNEL=1 (absent: 0) runs the column-piece kernel of ``_triton_sparse_mla_split``
-# instead, with KEYS_M (keys on the MMA's M dimension) and its own PREFETCH
-# (pages and workspace); BF16_DEQUANT does not apply to it.
+# instead (measured slower on the H200, so no default tile names it), with KEYS_M
+# (keys on the MMA's M dimension), ONE_DEQUANT, ASM (FP8 words through inline PTX),
+# MAXNREG and its own PREFETCH (pages and workspace); BF16_DEQUANT does not apply.
 SMALL_HEADS = 16
 TILES: dict[str, dict[str, int]] = {
     "small": dict(
