@@ -1,9 +1,9 @@
 """Sparse MLA kernel variants, timed against each other on the 1 x 16,384-token cases (GPU).
 
-``python -m benchmarks.sweep_sparse_mla [--out DIR] [--rep-ms N] [--cases a,b]``
+``python -m benchmarks.sweep_sparse_mla [--out DIR] [--rep-ms N] [--cases a,b] [--tiny]``
 
-For each case (C4A Flash TP8, C4A Pro TP8, SWA Flash TP8 at a 131,072-token
-context; C4A Flash DP with ``--cases`` naming it) and each variant of
+For each case (C4A Flash TP8, C4A Pro TP8, SWA Flash TP8 and C4A Flash DP at a
+131,072-token context; the workspace path too on the first) and each variant of
 :data:`VARIANTS` (the first kernel's tiles, ``KERNEL`` absent, and the
 column-piece kernel, ``KERNEL=1``), the outputs are poisoned, the kernel runs,
 every element must be written and NaN-free and a strided sample of 256 tokens
@@ -12,6 +12,9 @@ One JSON line per (case, variant) is appended to ``DIR/sweep.jsonl`` as soon as
 it is measured (a run cut short keeps what it measured).  The kernels are
 compiled first in parallel worker processes on tiny inputs of the same
 compile-time shape, which fills Triton's on-disk cache for the timed process.
+``--tiny`` runs the same flow on tiny shapes (on CPU with ``TRITON_INTERPRET=1``:
+a check of the script, times meaningless).  Run 5 (docs/attention.md) measured
+the column-piece variants; the ``old-words``/``-r*`` variants came after it.
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ _W = dict(ONE_DEQUANT=1, ASM=1, **_S)  # one dequantisation per piece, FP8 throu
 VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
     "small": [
         ("old-default", OLD_SMALL),
+        # the first kernel with the FP8 words through inline PTX / a register cap (run 5
+        # did not have these; not measured yet)
+        ("old-words", {**OLD_SMALL, "ASM": 1}),
+        ("old-words-r168", {**OLD_SMALL, "ASM": 1, "MAXNREG": 168}),
+        ("old-r168", {**OLD_SMALL, "MAXNREG": 168}),
+        ("old-words-nopf-r128", {**OLD_SMALL, "ASM": 1, "PREFETCH": 0, "MAXNREG": 128}),
         _v("w-hm-n32-w4-pf", KEYS_M=0, BLOCK_N=32, NUM_WARPS=4, PREFETCH=1, **_W),
         _v("w-hm-n32-w4", KEYS_M=0, BLOCK_N=32, NUM_WARPS=4, PREFETCH=0, **_W),
         _v("w-hm-n32-w8-pf", KEYS_M=0, BLOCK_N=32, NUM_WARPS=8, PREFETCH=1, **_W),
@@ -66,6 +75,7 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
     ],
     "large": [
         ("old-default", OLD_LARGE),
+        ("old-words", {**OLD_LARGE, "ASM": 1}),
         _v("w-hm-n32-w8", KEYS_M=0, BLOCK_N=32, NUM_WARPS=8, PREFETCH=0, **_W),
         _v("w-hm-n32-w8-pf", KEYS_M=0, BLOCK_N=32, NUM_WARPS=8, PREFETCH=1, **_W),
     ],

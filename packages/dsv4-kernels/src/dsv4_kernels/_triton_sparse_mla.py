@@ -26,6 +26,12 @@ acc / l / (1 + exp(sink - lse))``; a row with no valid key writes 0 and
 programs of one token run together and neighbouring tokens (which share
 window keys) run close in time.
 
+``A_WORDS``/``B_WORDS`` (off by default, not yet measured here; CUDA and
+16-byte aligned pages only) load the FP8 codes as int32 words and dequantise
+four at a time in inline PTX (:mod:`._triton_sparse_mla_asm`), which made the
+column-piece kernel of :mod:`._triton_sparse_mla_split` 1.7x faster on the
+H200.
+
 ``DOT_FP32`` up-casts the dot operands to fp32: Triton's interpreter
 computes ``tl.dot`` on bf16 operands wrongly (DESIGN.md, "Where it runs"),
 and its bf16 multiplies too, so ``BF16_DEQUANT`` is off there.
@@ -35,6 +41,8 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ._triton_sparse_mla_asm import E4M3_ASM
 
 # Run-time sizes that must not be specialised on value: a new layer, batch or
 # cache size must not compile a new kernel.
@@ -76,6 +84,7 @@ def _load_raw(
     DATA_BYTES: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr = False,
 ):
     """The bytes of keys ``start .. start + BLOCK_N`` of an index row: (ok, a, b, sbytes).
 
@@ -102,9 +111,17 @@ def _load_raw(
         elem = qb[:, None] * QBLOCK + e[None, :]  # [8, 64]
         is_nope = (qb < NQ)[None, :, None]
         data = src_ptr + data_off
-        codes = tl.load(
-            data[:, None, None] + elem[None, :, :], mask=ok[:, None, None] & is_nope, other=0
-        )
+        if WORDS:  # the codes as int32 words of four, [BLOCK_N, 8, 16] (aligned pages)
+            word_idx = qb[:, None] * (QBLOCK // 4) + tl.arange(0, QBLOCK // 4)[None, :]
+            codes = tl.load(
+                data.to(tl.pointer_type(tl.int32))[:, None, None] + word_idx[None, :, :],
+                mask=ok[:, None, None] & is_nope,
+                other=0,
+            )
+        else:
+            codes = tl.load(
+                data[:, None, None] + elem[None, :, :], mask=ok[:, None, None] & is_nope, other=0
+            )
         rope_src = (data + NOPE).to(tl.pointer_type(tl.bfloat16))
         rope = tl.load(
             rope_src[:, None, None] + (elem - NOPE)[None, :, :],
@@ -126,6 +143,26 @@ def _load_raw(
 
 
 @triton.jit
+def _dequant_words(words, sbytes, NB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``[BLOCK_N, NB, 64]`` bf16 from ``[BLOCK_N, NB, 16]`` int32 words of E4M3 codes and
+    their ``[BLOCK_N, NB]`` scale bytes, four codes per inline-PTX call (CUDA only; the
+    conversion is :data:`._triton_sparse_mla_asm.E4M3_ASM`)."""
+    sb = sbytes.to(tl.int32)
+    pair = (sb << 7) | (sb << 23)  # bf16 2**(byte - 127), twice
+    pw = tl.broadcast_to(pair[:, :, None], (BLOCK_N, NB, 16))
+    o0, o1, o2, o3 = tl.inline_asm_elementwise(
+        E4M3_ASM,
+        "=h,=h,=h,=h,r,r",
+        [words, pw],
+        dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=1,
+    )
+    v = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [.., j, i] = code 2j + i of the word
+    return tl.reshape(v, (BLOCK_N, NB, 64))
+
+
+@triton.jit
 def _keys_from_raw(
     a,
     b,
@@ -136,6 +173,7 @@ def _keys_from_raw(
     NQ_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BF16_DEQUANT: tl.constexpr,
+    WORDS: tl.constexpr = False,
 ):
     """``[BLOCK_N, 512]`` bf16 keys from :func:`_load_raw`'s bytes (zero for masked rows).
 
@@ -143,7 +181,12 @@ def _keys_from_raw(
     ``BF16_DEQUANT`` the dequantisation multiplies in bf16 (Triton's interpreter
     multiplies bf16 wrongly: there it goes through float32, same result).
     """
-    if PAGED:
+    if PAGED and WORDS:
+        nope = _dequant_words(a, sbytes, NQ_PAD, BLOCK_N)
+        is_nope = (tl.arange(0, NQ_PAD) < NQ)[None, :, None]
+        k = tl.where(is_nope, nope, b)
+        return tl.reshape(k, (BLOCK_N, HEAD_DIM))
+    elif PAGED:
         scale = (sbytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2**(byte - 127)
         if BF16_DEQUANT:
             nope = (
@@ -186,6 +229,7 @@ def _attend_source(
     DOT_FP32: tl.constexpr,
     PREFETCH: tl.constexpr,
     BF16_DEQUANT: tl.constexpr,
+    WORDS: tl.constexpr = False,
 ):
     """Online softmax over one key source; with ``PREFETCH`` the next tile's bytes are
     requested before this tile's math, so loads overlap compute within a program."""
@@ -208,6 +252,7 @@ def _attend_source(
             DATA_BYTES,
             SCALE_BYTES,
             BLOCK_N,
+            WORDS,
         )
     for start in range(0, length, BLOCK_N):
         if PREFETCH:
@@ -229,6 +274,7 @@ def _attend_source(
                 DATA_BYTES,
                 SCALE_BYTES,
                 BLOCK_N,
+                WORDS,
             )
         else:
             ok, a, b, sb = _load_raw(
@@ -249,8 +295,9 @@ def _attend_source(
                 DATA_BYTES,
                 SCALE_BYTES,
                 BLOCK_N,
+                WORDS,
             )
-        k = _keys_from_raw(a, b, sb, PAGED, HEAD_DIM, NQ, NQ_PAD, BLOCK_N, BF16_DEQUANT)
+        k = _keys_from_raw(a, b, sb, PAGED, HEAD_DIM, NQ, NQ_PAD, BLOCK_N, BF16_DEQUANT, WORDS)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -324,6 +371,8 @@ def _sparse_mla_kernel(
     DOT_FP32: tl.constexpr,
     PREFETCH: tl.constexpr,
     BF16_DEQUANT: tl.constexpr,
+    A_WORDS: tl.constexpr = False,  # FP8 codes of source A as int32 words through inline PTX
+    B_WORDS: tl.constexpr = False,  # the same for source B (aligned pages, CUDA only)
 ):
     pid = tl.program_id(0)
     t = (pid // HEAD_BLOCKS).to(tl.int64)
@@ -369,6 +418,7 @@ def _sparse_mla_kernel(
         DOT_FP32,
         PREFETCH,
         BF16_DEQUANT,
+        A_WORDS,
     )
     if HAS_B:
         b_len = b_width
@@ -399,6 +449,7 @@ def _sparse_mla_kernel(
             DOT_FP32,
             PREFETCH,
             BF16_DEQUANT,
+            B_WORDS,
         )
 
     LN2: tl.constexpr = 0.6931471805599453

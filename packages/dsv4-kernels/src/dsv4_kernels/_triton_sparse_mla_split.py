@@ -19,7 +19,7 @@ Same arguments, grid and semantics as the first kernel.  What differs:
   codes are dequantised twice (once per dot layout);
 * ``A_WORDS``/``B_WORDS`` (with ``ONE_DEQUANT``, 16-byte aligned pages, CUDA
   only) load the codes as int32 words and dequantise four at a time in inline
-  PTX (:data:`_E4M3_ASM`); on the H200 this made the piece kernel 1.7x faster
+  PTX (:data:`._triton_sparse_mla_asm.E4M3_ASM`); on the H200 this made the piece kernel 1.7x faster
   (602.0 to 354.6 ns per token, C4A Flash TP8) but not faster than the first
   kernel;
 * ``KEYS_M`` puts the keys on the MMA's M dimension (``S^T = K q^T``, ``O^T
@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from ._triton_sparse_mla import RUNTIME_ARGS
+from ._triton_sparse_mla_asm import E4M3_ASM
 
 __all__ = ["RUNTIME_ARGS", "_sparse_mla_split_kernel"]
 
@@ -119,47 +120,15 @@ def _dequant(codes, sbytes, PAGED: tl.constexpr, NB: tl.constexpr, BLOCK_N: tl.c
         return codes
 
 
-# Four E4M3 codes (one int32 word, code 0 in the low byte) times their UE8M0 scale, to
-# four bf16 ($0-$3, in order): the hardware's e4m3x2 -> f16x2 conversion; an f16
-# holding an E4M3 value (never an f16 subnormal) re-read as bf16 by moving its
-# exponent and mantissa down 3 bits is value * 2**-112 (zero stays zero); then two
-# exact bf16x2 multiplies, by 2**112 and by the scale ($5: 2**(byte - 127) as a bf16
-# pair).
-_E4M3_ASM = tl.constexpr(
-    """{
-.reg .b16 c01, c23;
-.reg .b32 h01, h23, t01, t23, k;
-mov.b32 k, 0x77807780;
-mov.b32 {c01, c23}, $4;
-cvt.rn.f16x2.e4m3x2 h01, c01;
-cvt.rn.f16x2.e4m3x2 h23, c23;
-shr.b32 t01, h01, 3;
-shr.b32 t23, h23, 3;
-and.b32 t01, t01, 0x0FFF0FFF;
-and.b32 t23, t23, 0x0FFF0FFF;
-and.b32 h01, h01, 0x80008000;
-and.b32 h23, h23, 0x80008000;
-or.b32 t01, t01, h01;
-or.b32 t23, t23, h23;
-mul.rn.bf16x2 t01, t01, k;
-mul.rn.bf16x2 t23, t23, k;
-mul.rn.bf16x2 t01, t01, $5;
-mul.rn.bf16x2 t23, t23, $5;
-mov.b32 {$0, $1}, t01;
-mov.b32 {$2, $3}, t23;
-}"""
-)
-
-
 @triton.jit
 def _dequant_words(words, sbytes, NB: tl.constexpr, BLOCK_N: tl.constexpr):
     """:func:`_dequant` from ``[BLOCK_N, NB * 16]`` int32 words of codes, through
-    :data:`_E4M3_ASM` (CUDA only: not in the interpreter)."""
+    :data:`._triton_sparse_mla_asm.E4M3_ASM` (CUDA only: not in the interpreter)."""
     sb = sbytes.to(tl.int32)
     pair = (sb << 7) | (sb << 23)  # bf16 2**(byte - 127), twice
     pw = tl.reshape(tl.broadcast_to(pair[:, :, None], (BLOCK_N, NB, 16)), (BLOCK_N, NB * 16))
     o0, o1, o2, o3 = tl.inline_asm_elementwise(
-        _E4M3_ASM,
+        E4M3_ASM,
         "=h,=h,=h,=h,r,r",
         [words, pw],
         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
