@@ -136,7 +136,9 @@ def test_cuda_graph_capture_and_replay(gpu: torch.device) -> None:
         window_block_table=case.window_block_table,
         compress_ratio=4,
         comp_block_table=case.comp_block_table,
+        comp_block_size=64,
         topk_indices=case.topk_indices,
+        topk=512,
     )
     assert torch.equal(outs["window_out"], want.window)
     assert torch.equal(outs["comp_out"], want.comp)

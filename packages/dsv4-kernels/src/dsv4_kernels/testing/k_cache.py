@@ -217,7 +217,12 @@ def block_outer_k_cache_group(
         )
     raw = torch.zeros(num_blocks * block_bytes, dtype=torch.uint8, device=device)
     if generator is not None:
-        raw.random_(0, 256, generator=generator)
+        # drawn where the generator lives (a CPU generator for a CUDA cache too)
+        raw.copy_(
+            torch.randint(
+                0, 256, raw.shape, generator=generator, dtype=torch.uint8, device=generator.device
+            )
+        )
     views, offsets = [], []
     run_offset = 0
     for page, (slots, num_layers) in zip(page_sizes, pages, strict=True):
