@@ -83,8 +83,9 @@ CONSUMERS: dict[str, tuple[str, ...]] = {
 }
 
 # The ops functions replaced on CUDA: only those measured faster than the
-# kernel vLLM runs there (docs/attention.md).  ``compute_global_topk_indices_and_lens``
-# is within 0.97-1.11x of the upstream design, so vLLM's stays;
+# kernel vLLM runs there (docs/plugin.md, H200 against vLLM 0.32's own
+# kernels).  Combine is 1.49-2.93x faster; vLLM's
+# ``compute_global_topk_indices_and_lens`` is 3-8% faster than ours, so it stays;
 # ``quantize_and_insert_k_cache`` is never called on CUDA (fused writers fill
 # the caches); ``dequantize_and_gather_k_cache`` races a CuTe-DSL kernel there
 # (see GATHER_ON_CUDA).
