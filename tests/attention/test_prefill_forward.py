@@ -138,7 +138,13 @@ def run_scenario(
             assert_within(
                 ref,
                 ws_out.cpu().to(torch.float64),
-                2.0**-7 * ws_out.cpu().abs().to(torch.float64) + 1e-6,  # one bf16 rounding
+                # one bf16 rounding of the result, plus the workspace kernel's bf16
+                # probabilities in P @ V (half a bf16 step of each p|v| term): near-zero
+                # outputs from cancellation need the second term (seen on the H200 at
+                # 64 heads: err/tol 1.06-1.53 on 1-3 of 38M elements without it)
+                2.0**-7 * ws_out.cpu().abs().to(torch.float64)
+                + 2.0**-9 * dense_rt["abs_pk"]
+                + 1e-6,
                 f"{what}: reference forward vs vLLM's workspace path",
             )
         if expect_launches is not None:
