@@ -21,8 +21,13 @@ NaN-free; a strided sample of tokens against the float32 reference):
 * ``flashmla-64h``: FlashMLA's ``flash_mla_sparse_fwd`` with heads padded to
   64 (128 above 64) on that workspace, as vLLM runs it (when FlashMLA imports);
 * ``flashmla-64h+gather``: what vLLM runs per layer and chunk: the two
-  workspace gathers and the combine (our kernels, which are at least as fast
-  as vLLM's) then FlashMLA.
+  workspace gathers and the combine (our kernels: vLLM's CuTe-DSL gather takes
+  0.94-1.04x their time and its Triton combine is slower, docs/plugin.md)
+  then FlashMLA.
+
+Over 500 lines on purpose: the case matrix, its five providers and their
+checks share one case geometry; the FlashMLA provider lives in
+``flashmla_provider.py`` and the input factories in ``dsv4_kernels.testing``.
 
 ``floor``: the bytes a per-token kernel must read from the FP8 pages (584 B
 per valid key, its 4-byte index, q) and write (out, lse), over the copy

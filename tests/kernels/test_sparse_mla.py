@@ -1,5 +1,9 @@
 """Sparse MLA with sink: the Triton kernel (through Triton's interpreter on CPU) and the
-torch reference, against a slow per-token float64 spec oracle over exactly the indexed rows."""
+torch reference, against a slow per-token float64 spec oracle over exactly the indexed rows.
+
+One file (about 530 lines) for the whole CPU contract: the oracle, the semantic
+cases, the cache-view cases and the bad-input table; the GPU cases and the
+second kernel's cases have files of their own."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ Measured SLOWER than :mod:`._triton_sparse_mla` on the H200 in every TP8 case
 (docs/attention.md, "Column-piece kernel"; best variant 354.6 against 259.9
 ns per token on C4A Flash TP8), so ``sparse_mla.TILES`` does not select it; a
 tile with ``KERNEL=1`` does (the sweep in ``benchmarks/sweep_sparse_mla.py``).
-Same arguments, grid and semantics as the first kernel.  What differs:
+Same arguments, grid and semantics as the first kernel (about 510 lines: the
+four pieces each need their own load, dequantisation and two dots).  What differs:
 
 * a key's values are four pieces of power-of-two width, gathered and
   dequantised separately: FP8 columns 0-255 (scale bytes 0-3), 256-383 (4-5),

@@ -33,6 +33,10 @@ one call serves every layer of that type (and group) in a step; C4A's top-k
 differs per layer.  In-image bidirectional visibility (vLLM's vision variant)
 and SWA bounded replay (DeepSeek-V4.1) are not covered: such batches take
 vLLM's own path.
+
+About 510 lines: the contract above, the host checks with their messages and
+the benchmark-case factory (:func:`make_prefill_index_case`) that tests,
+benchmarks and docs share; the kernel itself is in ``_triton_prefill_indices``.
 """
 
 from __future__ import annotations
