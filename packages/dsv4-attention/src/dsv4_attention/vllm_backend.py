@@ -38,7 +38,15 @@ _STEP: dict[str, Any] = {"meta": None, "plan": None}
 
 @functools.cache
 def _default_max_heads() -> int:
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] in FLASHMLA_MAJORS:
+    # vLLM's platform reads the capability through NVML: no CUDA context is
+    # created in the process that decides (vLLM forks workers after this).
+    try:
+        from vllm.platforms import current_platform
+
+        capability = current_platform.get_device_capability()
+    except Exception:  # no vLLM, or no device: not a FlashMLA GPU
+        capability = None
+    if capability is not None and capability.major in FLASHMLA_MAJORS:
         return 0
     return 128
 
