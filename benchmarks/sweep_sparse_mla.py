@@ -4,8 +4,8 @@
 
 For each case (C4A Flash TP8, C4A Pro TP8, SWA Flash TP8 and C4A Flash DP at a
 131,072-token context; the workspace path too on the first) and each variant of
-:data:`VARIANTS` (the first kernel's tiles, ``KERNEL`` absent, and the
-column-piece kernel, ``KERNEL=1``), the outputs are poisoned, the kernel runs,
+:data:`VARIANTS` (tiles of :data:`dsv4_kernels.sparse_mla.TILES`' form), the
+outputs are poisoned, the kernel runs,
 every element must be written and NaN-free and a strided sample of 256 tokens
 must match the float32 reference; then ``triton.testing.do_bench`` times it.
 One JSON line per (case, variant) is appended to ``DIR/sweep.jsonl`` as soon as
@@ -13,8 +13,8 @@ it is measured (a run cut short keeps what it measured).  The kernels are
 compiled first in parallel worker processes on tiny inputs of the same
 compile-time shape, which fills Triton's on-disk cache for the timed process.
 ``--tiny`` runs the same flow on tiny shapes (on CPU with ``TRITON_INTERPRET=1``:
-a check of the script, times meaningless).  Run 5 (docs/attention.md) measured
-the column-piece variants; the ``old-words``/``-r*`` variants came after it.
+a check of the script, times meaningless).  Runs 5 and 6 (docs/attention.md)
+measured earlier variant sets, among them a column-piece kernel since removed.
 """
 
 from __future__ import annotations
@@ -45,43 +45,24 @@ CASES = (
 )
 
 
-def _v(name: str, **tiles: int) -> tuple[str, dict[str, int]]:
-    return name, tiles
-
-
 OLD_SMALL = dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=4, NUM_STAGES=1, PREFETCH=1, BF16_DEQUANT=0)
 OLD_LARGE = dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=1, PREFETCH=0, BF16_DEQUANT=1)
-_S = dict(KERNEL=1, MAX_BLOCK_H=64, NUM_STAGES=1)
-_W = dict(ONE_DEQUANT=1, ASM=1, **_S)  # one dequantisation per piece, FP8 through inline PTX
 VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
     "small": [
         ("old-default", OLD_SMALL),
-        # the first kernel with the FP8 words through inline PTX / a register cap (run 5
-        # did not have these; not measured yet)
+        # the FP8 words through inline PTX (ASM) and register caps (MAXNREG)
         ("old-words", {**OLD_SMALL, "ASM": 1}),
         ("old-words-r168", {**OLD_SMALL, "ASM": 1, "MAXNREG": 168}),
         ("old-r168", {**OLD_SMALL, "MAXNREG": 168}),
-        ("old-words-nopf-r128", {**OLD_SMALL, "ASM": 1, "PREFETCH": 0, "MAXNREG": 128}),
-        _v("w-hm-n32-w4-pf", KEYS_M=0, BLOCK_N=32, NUM_WARPS=4, PREFETCH=1, **_W),
-        _v("w-hm-n32-w4", KEYS_M=0, BLOCK_N=32, NUM_WARPS=4, PREFETCH=0, **_W),
-        _v("w-hm-n32-w8-pf", KEYS_M=0, BLOCK_N=32, NUM_WARPS=8, PREFETCH=1, **_W),
-        _v("w-hm-n64-w4-pf", KEYS_M=0, BLOCK_N=64, NUM_WARPS=4, PREFETCH=1, **_W),
-        _v("w-hm-n64-w8-pf", KEYS_M=0, BLOCK_N=64, NUM_WARPS=8, PREFETCH=1, **_W),
-        _v("w-km-n64-w4", KEYS_M=1, BLOCK_N=64, NUM_WARPS=4, PREFETCH=0, **_W),
-        _v("w-km-n64-w8-pf", KEYS_M=1, BLOCK_N=64, NUM_WARPS=8, PREFETCH=1, **_W),
-        _v("split-hm-n32-w4-pf", KEYS_M=0, BLOCK_N=32, NUM_WARPS=4, PREFETCH=1, **_S),
-        _v("w-hm-n32-w4-pf-r168", KEYS_M=0, BLOCK_N=32, NUM_WARPS=4, PREFETCH=1, MAXNREG=168, **_W),
-        _v("w-hm-n32-w4-r128", KEYS_M=0, BLOCK_N=32, NUM_WARPS=4, PREFETCH=0, MAXNREG=128, **_W),
+        ("old-nopf-r128", {**OLD_SMALL, "PREFETCH": 0, "MAXNREG": 128}),
     ],
     "large": [
         ("old-default", OLD_LARGE),
         ("old-words", {**OLD_LARGE, "ASM": 1}),
-        _v("w-hm-n32-w8", KEYS_M=0, BLOCK_N=32, NUM_WARPS=8, PREFETCH=0, **_W),
-        _v("w-hm-n32-w8-pf", KEYS_M=0, BLOCK_N=32, NUM_WARPS=8, PREFETCH=1, **_W),
     ],
 }
 # The bf16 workspace path (first case only): the old tiles against two split ones.
-WORKSPACE_VARIANTS = ("old-default", "w-hm-n32-w4-pf", "w-hm-n32-w4")
+WORKSPACE_VARIANTS = ("old-default",)
 
 
 def _cls(heads: int) -> str:

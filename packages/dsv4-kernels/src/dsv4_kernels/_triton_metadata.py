@@ -18,6 +18,32 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+
+@triton.jit
+def token_positions(
+    qsl_ptr, seq_lens_ptr, toks, tok_ok, num_reqs, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr
+):
+    """``(req, seq_len, pos)`` of each query token ``toks`` (``[BLOCK_T]``, rows of
+    ``query_start_loc``'s slice, which may start past 0): its request, that request's
+    ``seq_len`` and the token's position in the sequence.
+
+    The request is the number of request ends ``qsl[1..B] <= t + qsl[0]``, counted over
+    tiles of ``BLOCK_R`` requests (one tile for typical batches); zero-length requests
+    fall out naturally.  Tokens past ``tok_ok`` get request ``B - 1`` and zeros.
+    """
+    x = toks + tl.load(qsl_ptr)
+    req = tl.zeros([BLOCK_T], dtype=tl.int32)
+    for r0 in range(0, num_reqs, BLOCK_R):
+        r = r0 + 1 + tl.arange(0, BLOCK_R)
+        ends = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=2147483647)
+        req += tl.sum((ends[None, :] <= x[:, None]).to(tl.int32), axis=1)
+    req = tl.minimum(req, num_reqs - 1)
+    q_start = tl.load(qsl_ptr + req, mask=tok_ok, other=0)
+    q_end = tl.load(qsl_ptr + req + 1, mask=tok_ok, other=0)
+    seq_len = tl.load(seq_lens_ptr + req, mask=tok_ok, other=0)
+    return req, seq_len, seq_len - (q_end - q_start) + (x - q_start)
+
+
 # Run-time arguments that must not be specialised on value (==1, %16) or on
 # pointer alignment: changing them must not compile a new kernel.
 COMBINE_RUNTIME_ARGS = [
@@ -73,23 +99,10 @@ def _combine_topk_swa_indices_kernel(
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < num_tokens
 
-    # Request of each token: the number of request ends qsl[1..B] <= t + qsl[0],
-    # counted over small tiles of requests (one tile for typical batches);
-    # zero-length requests fall out naturally.  Then one round of gathers.
-    qs0 = tl.load(qsl_ptr)
-    x = toks + qs0
-    req = tl.zeros([BLOCK_T], dtype=tl.int32)
-    for r0 in range(0, num_reqs, BLOCK_R):
-        r = r0 + 1 + tl.arange(0, BLOCK_R)
-        ends = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=2147483647)
-        req += tl.sum((ends[None, :] <= x[:, None]).to(tl.int32), axis=1)
-    req = tl.minimum(req, num_reqs - 1)
-    q_start = tl.load(qsl_ptr + req, mask=tok_ok, other=0)
-    q_end = tl.load(qsl_ptr + req + 1, mask=tok_ok, other=0)
-    seq_len = tl.load(seq_lens_ptr + req, mask=tok_ok, other=0)
+    req, seq_len, pos = token_positions(
+        qsl_ptr, seq_lens_ptr, toks, tok_ok, num_reqs, BLOCK_T, BLOCK_R
+    )
     gather_len = tl.load(gather_lens_ptr + req, mask=tok_ok, other=0)
-
-    pos = seq_len - (q_end - q_start) + (x - q_start)
     if RATIO > 0:
         topk_len = tl.minimum(tl.maximum((pos + 1) // RATIO, 0), topk)
     else:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._triton_metadata import token_positions
+
 # Run-time arguments that must not be specialised on value (==1, %16) or on
 # pointer alignment: a new batch must not compile a new kernel.  The top-k
 # rows are a slice of vLLM's buffer at a decode-count offset, so their
@@ -107,20 +109,9 @@ def _prefill_indices_kernel(
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < num_tokens
 
-    # Request of each token: the number of request ends qsl[1..B] <= t + qsl[0],
-    # counted over tiles of requests; zero-length requests fall out naturally.
-    qs0 = tl.load(qsl_ptr)
-    x = toks + qs0
-    req = tl.zeros([BLOCK_T], dtype=tl.int32)
-    for r0 in range(0, num_reqs, BLOCK_R):
-        r = r0 + 1 + tl.arange(0, BLOCK_R)
-        ends = tl.load(qsl_ptr + r, mask=r <= num_reqs, other=2147483647)
-        req += tl.sum((ends[None, :] <= x[:, None]).to(tl.int32), axis=1)
-    req = tl.minimum(req, num_reqs - 1)
-    q_start = tl.load(qsl_ptr + req, mask=tok_ok, other=0)
-    q_end = tl.load(qsl_ptr + req + 1, mask=tok_ok, other=0)
-    seq_len = tl.load(seq_lens_ptr + req, mask=tok_ok, other=0)
-    pos = seq_len - (q_end - q_start) + (x - q_start)
+    req, _seq_len, pos = token_positions(
+        qsl_ptr, seq_lens_ptr, toks, tok_ok, num_reqs, BLOCK_T, BLOCK_R
+    )
     req64 = req.to(tl.int64)[:, None]
     rows64 = toks.to(tl.int64)[:, None]
 

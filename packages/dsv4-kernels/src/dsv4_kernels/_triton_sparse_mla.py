@@ -26,11 +26,10 @@ acc / l / (1 + exp(sink - lse))``; a row with no valid key writes 0 and
 programs of one token run together and neighbouring tokens (which share
 window keys) run close in time.
 
-``A_WORDS``/``B_WORDS`` (off by default, not yet measured here; CUDA and
-16-byte aligned pages only) load the FP8 codes as int32 words and dequantise
-four at a time in inline PTX (:mod:`._triton_sparse_mla_asm`), which made the
-column-piece kernel of :mod:`._triton_sparse_mla_split` 1.7x faster on the
-H200.
+``A_WORDS``/``B_WORDS`` (off by default; CUDA and 16-byte aligned pages only)
+load the FP8 codes as int32 words and dequantise four at a time in inline PTX
+(:mod:`._triton_sparse_mla_asm`): measured 1.4-1.5x slower than the default at
+8/16 heads and 1.12x faster at 64 heads on the H200 (one run, docs/attention.md).
 
 ``DOT_FP32`` up-casts the dot operands to fp32: Triton's interpreter
 computes ``tl.dot`` on bf16 operands wrongly (DESIGN.md, "Where it runs"),
@@ -235,68 +234,18 @@ def _attend_source(
     requested before this tile's math, so loads overlap compute within a program."""
     if PREFETCH:
         ok, a, b, sb = _load_raw(
-            src_ptr,
-            idx_row_ptr,
-            0,
-            length,
-            row_stride,
-            num_rows,
-            SLOTS,
-            PAGED,
-            ALIGNED,
-            HEAD_DIM,
-            NOPE,
-            QBLOCK,
-            NQ,
-            NQ_PAD,
-            DATA_BYTES,
-            SCALE_BYTES,
-            BLOCK_N,
-            WORDS,
-        )
+            src_ptr, idx_row_ptr, 0, length, row_stride, num_rows, SLOTS, PAGED, ALIGNED,
+            HEAD_DIM, NOPE, QBLOCK, NQ, NQ_PAD, DATA_BYTES, SCALE_BYTES, BLOCK_N, WORDS,
+        )  # fmt: skip
     for start in range(0, length, BLOCK_N):
-        if PREFETCH:
-            n_ok, n_a, n_b, n_sb = _load_raw(
-                src_ptr,
-                idx_row_ptr,
-                start + BLOCK_N,
-                length,
-                row_stride,
-                num_rows,
-                SLOTS,
-                PAGED,
-                ALIGNED,
-                HEAD_DIM,
-                NOPE,
-                QBLOCK,
-                NQ,
-                NQ_PAD,
-                DATA_BYTES,
-                SCALE_BYTES,
-                BLOCK_N,
-                WORDS,
-            )
-        else:
-            ok, a, b, sb = _load_raw(
-                src_ptr,
-                idx_row_ptr,
-                start,
-                length,
-                row_stride,
-                num_rows,
-                SLOTS,
-                PAGED,
-                ALIGNED,
-                HEAD_DIM,
-                NOPE,
-                QBLOCK,
-                NQ,
-                NQ_PAD,
-                DATA_BYTES,
-                SCALE_BYTES,
-                BLOCK_N,
-                WORDS,
-            )
+        # with PREFETCH the next tile's bytes (this tile's came one step earlier)
+        n_ok, n_a, n_b, n_sb = _load_raw(
+            src_ptr, idx_row_ptr, start + BLOCK_N if PREFETCH else start, length, row_stride,
+            num_rows, SLOTS, PAGED, ALIGNED, HEAD_DIM, NOPE, QBLOCK, NQ, NQ_PAD, DATA_BYTES,
+            SCALE_BYTES, BLOCK_N, WORDS,
+        )  # fmt: skip
+        if not PREFETCH:
+            ok, a, b, sb = n_ok, n_a, n_b, n_sb
         k = _keys_from_raw(a, b, sb, PAGED, HEAD_DIM, NQ, NQ_PAD, BLOCK_N, BF16_DEQUANT, WORDS)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
@@ -394,63 +343,19 @@ def _sparse_mla_kernel(
     if A_HAS_LENS:
         a_len = tl.minimum(tl.load(a_len_ptr + t), a_width)
     acc, m_i, l_i = _attend_source(
-        acc,
-        m_i,
-        l_i,
-        q,
-        a_src_ptr,
-        a_idx_ptr + t * a_idx_stride,
-        a_len,
-        a_row_stride,
-        a_num_rows,
-        qk_scale,
-        A_SLOTS,
-        A_PAGED,
-        ALIGNED,
-        HEAD_DIM,
-        NOPE,
-        QBLOCK,
-        NQ,
-        NQ_PAD,
-        DATA_BYTES,
-        SCALE_BYTES,
-        BLOCK_N,
-        DOT_FP32,
-        PREFETCH,
-        BF16_DEQUANT,
-        A_WORDS,
-    )
+        acc, m_i, l_i, q, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len, a_row_stride,
+        a_num_rows, qk_scale, A_SLOTS, A_PAGED, ALIGNED, HEAD_DIM, NOPE, QBLOCK, NQ, NQ_PAD,
+        DATA_BYTES, SCALE_BYTES, BLOCK_N, DOT_FP32, PREFETCH, BF16_DEQUANT, A_WORDS,
+    )  # fmt: skip
     if HAS_B:
         b_len = b_width
         if B_HAS_LENS:
             b_len = tl.minimum(tl.load(b_len_ptr + t), b_width)
-        acc, m_i, l_i = _attend_source(
-            acc,
-            m_i,
-            l_i,
-            q,
-            b_src_ptr,
-            b_idx_ptr + t * b_idx_stride,
-            b_len,
-            b_row_stride,
-            b_num_rows,
-            qk_scale,
-            B_SLOTS,
-            True,
-            ALIGNED,
-            HEAD_DIM,
-            NOPE,
-            QBLOCK,
-            NQ,
-            NQ_PAD,
-            DATA_BYTES,
-            SCALE_BYTES,
-            BLOCK_N,
-            DOT_FP32,
-            PREFETCH,
-            BF16_DEQUANT,
-            B_WORDS,
-        )
+        acc, m_i, l_i = _attend_source(  # the compressed source is always paged
+            acc, m_i, l_i, q, b_src_ptr, b_idx_ptr + t * b_idx_stride, b_len, b_row_stride,
+            b_num_rows, qk_scale, B_SLOTS, True, ALIGNED, HEAD_DIM, NOPE, QBLOCK, NQ, NQ_PAD,
+            DATA_BYTES, SCALE_BYTES, BLOCK_N, DOT_FP32, PREFETCH, BF16_DEQUANT, B_WORDS,
+        )  # fmt: skip
 
     LN2: tl.constexpr = 0.6931471805599453
     LOG2E: tl.constexpr = 1.4426950408889634

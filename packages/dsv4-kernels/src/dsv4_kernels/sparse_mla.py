@@ -31,7 +31,6 @@ import torch
 import triton
 
 from . import _triton_sparse_mla as _k
-from . import _triton_sparse_mla_split as _ks
 from ._validation import (
     check_out,
     check_positive_int,
@@ -74,10 +73,9 @@ MMA_MIN_M = 16  # tl.dot's smallest M: heads are padded to this inside the kerne
 # multiplies (float32 under the interpreter, whose bf16 arithmetic is wrong);
 # NUM_STAGES is Triton's own loop pipelining (1: off).  The prefetch applies to
 # FP8 pages only: a bf16 workspace tile is too large to hold twice.
-# KERNEL=1 (absent: 0) runs the column-piece kernel of ``_triton_sparse_mla_split``
-# instead (measured slower on the H200, so no default tile names it), with KEYS_M
-# (keys on the MMA's M dimension), ONE_DEQUANT, ASM (FP8 words through inline PTX),
-# MAXNREG and its own PREFETCH (pages and workspace); BF16_DEQUANT does not apply.
+# ASM (absent: off) reads the FP8 codes as int32 words and dequantises them in inline
+# PTX; MAXNREG caps registers per thread.  Both are for sweeps: on the H200 they were
+# slower at 8/16 heads (docs/attention.md, run 6).
 SMALL_HEADS = 16
 TILES: dict[str, dict[str, int]] = {
     "small": dict(
@@ -89,8 +87,6 @@ TILES: dict[str, dict[str, int]] = {
 }
 
 _LOG2E = 1.4426950408889634
-# Layout constants the split kernel does not take (its pieces are fixed).
-_LAYOUT_ONLY = frozenset({"HEAD_DIM", "NOPE", "QBLOCK", "NQ", "NQ_PAD"})
 
 
 def _block_h(num_heads: int, max_block_h: int) -> int:
@@ -456,30 +452,7 @@ def _launch(
         BLOCK_N=block_n,
         DOT_FP32=interpreter_enabled(),
     )
-    if tiles.get("KERNEL", 0) == 1:
-        # FP8 codes as int32 words through inline PTX: one dequantisation, aligned pages,
-        # CUDA only (the interpreter runs no PTX).
-        words = bool(tiles.get("ASM", 0) and tiles.get("ONE_DEQUANT", 0)) and aligned
-        words = words and not interpreter_enabled()
-        extra: dict[str, int] = {}
-        if tiles.get("MAXNREG") and not interpreter_enabled():
-            extra["maxnreg"] = tiles["MAXNREG"]  # registers per thread: more programs per SM
-        _ks._sparse_mla_split_kernel[grid](
-            *args,
-            **extra,
-            **{k: v for k, v in meta.items() if k not in _LAYOUT_ONLY},
-            KEYS_M=bool(tiles.get("KEYS_M", 0)),
-            PREFETCH=bool(tiles["PREFETCH"]),
-            ONE_DEQUANT=bool(tiles.get("ONE_DEQUANT", 0)),
-            PIN=not interpreter_enabled(),
-            A_WORDS=words and a_paged,
-            B_WORDS=words,
-            num_warps=tiles["NUM_WARPS"],
-            num_stages=tiles["NUM_STAGES"],
-        )
-        return
-    # ASM (absent: off; not measured on the first kernel yet): the FP8 codes as int32
-    # words through the inline PTX that made the column-piece kernel 1.7x faster.
+    # ASM (absent: off): the FP8 codes as int32 words through inline PTX (CUDA only).
     words = bool(tiles.get("ASM", 0)) and aligned and not interpreter_enabled()
     extra = {}
     if words:
