@@ -55,6 +55,9 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("old-words-r168", {**OLD_SMALL, "ASM": 1, "MAXNREG": 168}),
         ("old-r168", {**OLD_SMALL, "MAXNREG": 168}),
         ("old-nopf-r128", {**OLD_SMALL, "PREFETCH": 0, "MAXNREG": 128}),
+        # the Gluon wgmma kernel (Hopper): keys on M, one shared bf16 tile per 64 keys
+        ("wgmma", {**OLD_SMALL, "KERNEL": 2, "PREFETCH": 1}),
+        ("wgmma-nopf", {**OLD_SMALL, "KERNEL": 2, "PREFETCH": 0}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

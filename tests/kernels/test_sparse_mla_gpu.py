@@ -170,3 +170,34 @@ def test_cuda_graph_replay(gpu: torch.device) -> None:
         q, swa.cache, idx, lens, SCALE, **{k: v for k, v in kw.items() if k not in ("out", "lse")}
     )
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+@pytest.mark.parametrize("heads", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("layer", ["c4a", "c128a", "swa"])
+@pytest.mark.parametrize("fresh", [False, True])
+@pytest.mark.parametrize("prefetch", [1, 0])
+def test_wgmma_kernel_matches_reference_and_triton(
+    heads: int, layer: str, fresh: bool, prefetch: int, gpu: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """The Gluon wgmma kernel (``KERNEL=2`` tiles, Hopper, up to 16 heads) against the
+    float32 reference on a sample and against the Triton kernel on every element."""
+    from dsv4_kernels import sparse_mla as sm
+
+    if torch.cuda.get_device_capability(gpu)[0] != 9:
+        pytest.skip("the wgmma kernel is for compute capability 9.x (Hopper)")
+    topk = 1024 if heads == 16 else 512
+    seed = fresh_seed()
+    inp = cs.make_inputs(_shape(layer, heads, topk=topk, fresh=fresh), gpu, seed)
+    t_out, t_lse = _outputs(inp)
+    inp.run_paged(t_out, t_lse)  # the Triton kernel (default tiles)
+    wg = {**sm.TILES["small"], "KERNEL": 2, "PREFETCH": prefetch}
+    monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": wg})
+    assert sm._wgmma_ok(inp.q, wg, True, True), "the wgmma kernel would not run here"
+    out, lse = _outputs(inp)
+    inp.run_paged(out, lse)
+    _written(out, lse)
+    tokens = cs.check_tokens(out.shape[0], gpu)
+    want = cs.reference_sample(inp, tokens)
+    cs.assert_close_attention((out[tokens], lse[tokens]), want, f"wgmma, seed {seed}")
+    cs.assert_close_attention((out, lse), (t_out, t_lse), f"wgmma vs Triton, seed {seed}")

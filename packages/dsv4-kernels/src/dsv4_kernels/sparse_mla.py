@@ -25,6 +25,7 @@ run :mod:`dsv4_kernels.reference` unless Triton's interpreter is on.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -87,6 +88,28 @@ TILES: dict[str, dict[str, int]] = {
 }
 
 _LOG2E = 1.4426950408889634
+
+
+def _wgmma_ok(q: torch.Tensor, tiles: dict[str, int], paged: bool, aligned: bool) -> bool:
+    """Whether the Gluon wgmma kernel (:mod:`._gluon_sparse_mla`) runs this call: a tile
+    naming ``KERNEL=2`` (wgmma), up to 16 heads, FP8 pages with 16-byte aligned rows,
+    a CUDA device of compute capability 9.x and a Triton with Gluon's Hopper API."""
+    if tiles.get("KERNEL", 0) != 2 or not paged or not aligned or q.shape[1] > 16:
+        return False
+    if q.device.type != "cuda" or interpreter_enabled():
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return _gluon_available()
+
+
+@functools.cache
+def _gluon_available() -> bool:
+    try:
+        from . import _gluon_sparse_mla  # noqa: F401
+    except ImportError:  # a Triton without Gluon's Hopper API
+        return False
+    return True
 
 
 def _block_h(num_heads: int, max_block_h: int) -> int:
@@ -437,6 +460,24 @@ def _launch(
         lse.stride(0),
         scale * _LOG2E,
     )
+    if _wgmma_ok(q, tiles, a_paged, aligned):
+        from . import _gluon_sparse_mla as _g
+
+        _g._sparse_mla_wgmma_kernel[(T,)](
+            *args,
+            A_SLOTS=a_slots,
+            A_HAS_LENS=a_lens is not None,
+            HAS_B=b is not None,
+            B_SLOTS=b_slots,
+            B_HAS_LENS=b_lens is not None,
+            HAS_SINK=sink is not None,
+            DATA_BYTES=TOKEN_DATA_BYTES,
+            SCALE_BYTES=TOKEN_SCALE_BYTES,
+            HP=8 if H <= 8 else 16,
+            PREFETCH=bool(tiles.get("PREFETCH", 1)),
+            num_warps=4,
+        )
+        return
     meta = dict(
         A_SLOTS=a_slots,
         A_PAGED=a_paged,

@@ -1,0 +1,320 @@
+# mypy: ignore-errors
+"""Gluon (Triton's explicit-layout dialect) sparse MLA kernel for Hopper, 1 to 16 heads.
+
+The Triton kernel of :mod:`._triton_sparse_mla` spends two thirds of its
+instructions dequantising FP8 (twice: once per dot operand layout) and runs at
+12.5% occupancy (docs/attention.md, run 6).  This kernel keeps the same contract
+(FP8 pages, two sources, sink, lse without the sink) and reorganises the work
+around Hopper's warpgroup MMA with the keys on the M dimension:
+
+* one program (one warpgroup, 4 warps) per query token; heads padded to
+  ``HP`` (8 or 16: wgmma's N) inside the kernel only;
+* per tile of 64 keys: gather each key's 7 x 64 FP8 codes, 7 scale bytes and 64
+  bf16 rope values by slot, dequantise **once** and store the bf16 tile to one
+  shared-memory buffer ``K [64, 512]``;
+* ``S^T [64, HP] = K q^T`` (wgmma, A = K from shared memory, B = q^T), online
+  softmax down the key axis, ``P^T`` to shared memory, then
+  ``O^T [512, HP] += K^T P^T`` (wgmma, A = the same buffer read transposed):
+  neither product pads the heads to 64 and the tile is read from shared memory
+  by the tensor cores directly (no register round trip per dot);
+* the next tile's index entries are loaded before this tile's products
+  (``PREFETCH``); its bytes are loaded at the top of the next step (holding them
+  across the products spilled registers), and two programs per multiprocessor
+  overlap one program's gather with the other's math.
+
+CUDA sm_90 only (wgmma); the launcher in :mod:`.sparse_mla` chooses it.  Gluon
+has no interpreter: the CPU suite runs the Triton kernel, and the GPU tests run
+both against the same references.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from ._triton_sparse_mla import RUNTIME_ARGS
+
+BLOCK_N = 64  # keys per tile: wgmma's M
+HEAD_DIM = 512
+NOPE = 448
+QBLOCK = 64
+NQ = 7
+
+
+@gluon.jit
+def _gather(
+    src_ptr,
+    idx_row_ptr,
+    start,
+    length,
+    row_stride,
+    num_rows,
+    SLOTS: gl.constexpr,
+    DATA_BYTES: gl.constexpr,
+    SCALE_BYTES: gl.constexpr,
+    BN: gl.constexpr,
+    L_CODE: gl.constexpr,
+):
+    """Pointers and validity of keys ``start .. start + BN`` of an index row."""
+    n = gl.arange(0, BN, layout=gl.SliceLayout(1, L_CODE))
+    col = start + n
+    idx = gl.load(idx_row_ptr + col, mask=col < length, other=-1).to(gl.int64)
+    ok = (idx >= 0) & (idx < num_rows)
+    page = idx // SLOTS
+    in_page = idx % SLOTS
+    base = page * row_stride
+    data = src_ptr + gl.multiple_of(base + in_page * DATA_BYTES, 16)
+    scales = src_ptr + gl.multiple_of(base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES, 8)
+    return ok, data, scales
+
+
+@gluon.jit
+def _load_tile(
+    ok,
+    data,
+    scales,
+    QB: gl.constexpr,
+    NOPE_: gl.constexpr,
+    L_CODE: gl.constexpr,
+    L_ROPE: gl.constexpr,
+):
+    """The tile's raw bytes: seven ``[BN, 64]`` uint8 code blocks, the ``[BN]`` int64
+    words of scale bytes and the ``[BN, 64]`` bf16 rope values."""
+    e = gl.arange(0, QB, layout=gl.SliceLayout(0, L_CODE))
+    m2 = gl.expand_dims(ok, 1)
+    p2 = gl.expand_dims(data, 1) + gl.expand_dims(e, 0)
+    c0 = gl.load(p2, mask=m2, other=0)
+    c1 = gl.load(p2 + QB, mask=m2, other=0)
+    c2 = gl.load(p2 + 2 * QB, mask=m2, other=0)
+    c3 = gl.load(p2 + 3 * QB, mask=m2, other=0)
+    c4 = gl.load(p2 + 4 * QB, mask=m2, other=0)
+    c5 = gl.load(p2 + 5 * QB, mask=m2, other=0)
+    c6 = gl.load(p2 + 6 * QB, mask=m2, other=0)
+    # the seven scale bytes as one 8-byte word (byte 7 is padding)
+    sb = gl.load(scales.to(gl.pointer_type(gl.int64)), mask=ok, other=0)
+    ok_r = gl.convert_layout(ok, gl.SliceLayout(1, L_ROPE))
+    data_r = gl.convert_layout(data, gl.SliceLayout(1, L_ROPE))
+    er = gl.arange(0, QB, layout=gl.SliceLayout(0, L_ROPE))
+    rope_ptr = (data_r + NOPE_).to(gl.pointer_type(gl.bfloat16))
+    rope = gl.load(
+        gl.expand_dims(rope_ptr, 1) + gl.expand_dims(er, 0), mask=gl.expand_dims(ok_r, 1), other=0.0
+    )
+    return c0, c1, c2, c3, c4, c5, c6, sb, rope
+
+
+@gluon.jit
+def _block_to_smem(codes, sb, b: gl.constexpr, k_smem, QB: gl.constexpr, L_CODE: gl.constexpr):
+    """Dequantise code block ``b`` (``code * 2**(byte - 127)``, exact in bf16) into
+    columns ``64 b .. 64 b + 64`` of the shared tile; ``sb`` holds the key's scale
+    bytes as one int64 (byte ``b`` = bits ``8 b .. 8 b + 8``)."""
+    byte = ((sb >> (8 * b)) & 0xFF).to(gl.int32)
+    scale = (byte << 23).to(gl.float32, bitcast=True)
+    v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 1)
+    k_smem.slice(b * QB, QB, dim=1).store(v.to(gl.bfloat16))
+
+
+@gluon.jit
+def _attend_source(
+    acc,
+    m_i,
+    l_i,
+    q_all,
+    k_all,
+    p_all,
+    src_ptr,
+    idx_row_ptr,
+    length,
+    row_stride,
+    num_rows,
+    qk_scale,
+    SLOTS: gl.constexpr,
+    DATA_BYTES: gl.constexpr,
+    SCALE_BYTES: gl.constexpr,
+    BN: gl.constexpr,
+    HP: gl.constexpr,
+    QB: gl.constexpr,
+    NOPE_: gl.constexpr,
+    L_CODE: gl.constexpr,
+    L_ROPE: gl.constexpr,
+    L_MMA: gl.constexpr,
+    PREFETCH: gl.constexpr,
+):
+    """Online softmax over one key source (tiles of ``BN`` keys)."""
+    ok, data, scales = _gather(
+        src_ptr,
+        idx_row_ptr,
+        0,
+        length,
+        row_stride,
+        num_rows,
+        SLOTS,
+        DATA_BYTES,
+        SCALE_BYTES,
+        BN,
+        L_CODE,
+    )
+    for start in range(0, length, BN):
+        # The buffers are indexed by a zero the compiler cannot see through: the wgmma
+        # descriptors then depend on the iteration and are not hoisted out of the loop
+        # (64 of them, live across it, took every register and spilled).
+        z = gl.inline_asm_elementwise(
+            "mov.b32 $0, 0;", "=r,r", [start], dtype=gl.int32, is_pure=True, pack=1
+        )
+        k_smem = k_all.index(z)
+        q_smem = q_all.index(z)
+        p_smem = p_all.index(z)
+        c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(
+            ok, data, scales, QB, NOPE_, L_CODE, L_ROPE
+        )
+        ok_s = gl.convert_layout(ok, gl.SliceLayout(1, L_MMA))
+        if PREFETCH:  # the next tile's index entries (the first of two dependent loads)
+            ok, data, scales = _gather(
+                src_ptr,
+                idx_row_ptr,
+                start + BN,
+                length,
+                row_stride,
+                num_rows,
+                SLOTS,
+                DATA_BYTES,
+                SCALE_BYTES,
+                BN,
+                L_CODE,
+            )
+        gl.thread_barrier()  # every warp is done reading the previous tile
+        _block_to_smem(c0, sb, 0, k_smem, QB, L_CODE)
+        _block_to_smem(c1, sb, 1, k_smem, QB, L_CODE)
+        _block_to_smem(c2, sb, 2, k_smem, QB, L_CODE)
+        _block_to_smem(c3, sb, 3, k_smem, QB, L_CODE)
+        _block_to_smem(c4, sb, 4, k_smem, QB, L_CODE)
+        _block_to_smem(c5, sb, 5, k_smem, QB, L_CODE)
+        _block_to_smem(c6, sb, 6, k_smem, QB, L_CODE)
+        k_smem.slice(NOPE_, QB, dim=1).store(rope)
+        fence_async_shared()
+        gl.thread_barrier()
+        s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)
+        s = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s, use_acc=False)
+        s = gl.where(gl.expand_dims(ok_s, 1), s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - gl.expand_dims(m_use, 0))
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        acc = acc * gl.expand_dims(alpha, 0)
+        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        fence_async_shared()
+        gl.thread_barrier()
+        acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem.permute((1, 0)), acc)
+        m_i = m_new
+        if not PREFETCH:
+            ok, data, scales = _gather(
+                src_ptr,
+                idx_row_ptr,
+                start + BN,
+                length,
+                row_stride,
+                num_rows,
+                SLOTS,
+                DATA_BYTES,
+                SCALE_BYTES,
+                BN,
+                L_CODE,
+            )
+    return acc, m_i, l_i
+
+
+@gluon.jit(do_not_specialize=RUNTIME_ARGS)
+def _sparse_mla_wgmma_kernel(
+    q_ptr, out_ptr, lse_ptr, sink_ptr,
+    a_src_ptr, a_idx_ptr, a_len_ptr, b_src_ptr, b_idx_ptr, b_len_ptr,
+    num_tokens, num_heads,
+    a_idx_stride, a_width, a_row_stride, a_num_rows,
+    b_idx_stride, b_width, b_row_stride, b_num_rows,
+    q_stride_t, q_stride_h, out_stride_t, out_stride_h, lse_stride_t,
+    qk_scale,
+    A_SLOTS: gl.constexpr, A_HAS_LENS: gl.constexpr, HAS_B: gl.constexpr,
+    B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr, HAS_SINK: gl.constexpr,
+    DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
+    HP: gl.constexpr, PREFETCH: gl.constexpr,
+):  # fmt: skip
+    BN: gl.constexpr = 64
+    D: gl.constexpr = 512
+    QB: gl.constexpr = 64
+    NOPE_: gl.constexpr = 448
+    # 16-byte rows of FP8 codes and bf16 values, 4 threads per 64-column block
+    L_CODE: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    L_OUT: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [4, 1], [0, 1])
+    L_MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16]
+    )
+    k_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [1, BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
+    )
+    q_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [1, HP, D], gl.NVMMASharedLayout.get_default_for([HP, D], gl.bfloat16)
+    )
+    p_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [1, HP, BN], gl.NVMMASharedLayout.get_default_for([HP, BN], gl.bfloat16)
+    )
+
+    t = gl.program_id(0).to(gl.int64)
+    hq = gl.arange(0, HP, layout=gl.SliceLayout(1, L_Q))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, L_Q))
+    q = gl.load(
+        q_ptr
+        + t * q_stride_t
+        + gl.expand_dims(hq.to(gl.int64) * q_stride_h, 1)
+        + gl.expand_dims(dq, 0),
+        mask=gl.expand_dims(hq < num_heads, 1),
+        other=0.0,
+    )
+    q_smem.index(0).store(q)
+
+    m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
+    l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))
+    acc = gl.zeros([D, HP], gl.float32, layout=L_MMA)
+
+    a_len = a_width
+    if A_HAS_LENS:
+        a_len = gl.minimum(gl.load(a_len_ptr + t), a_width)
+    acc, m_i, l_i = _attend_source(
+        acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len,
+        a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB,
+        NOPE_, L_CODE, L_ROPE, L_MMA, PREFETCH,
+    )  # fmt: skip
+    if HAS_B:
+        b_len = b_width
+        if B_HAS_LENS:
+            b_len = gl.minimum(gl.load(b_len_ptr + t), b_width)
+        acc, m_i, l_i = _attend_source(
+            acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
+            b_len, b_row_stride, b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN,
+            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, PREFETCH,
+        )  # fmt: skip
+
+    LN2: gl.constexpr = 0.6931471805599453
+    LOG2E: gl.constexpr = 1.4426950408889634
+    hs = gl.arange(0, HP, layout=gl.SliceLayout(0, L_MMA))
+    has_key = l_i > 0.0
+    l_safe = gl.where(has_key, l_i, 1.0)
+    lse2 = gl.where(has_key, m_i, 0.0) + gl.log2(l_safe)
+    factor = gl.where(has_key, 1.0 / l_safe, 0.0)
+    if HAS_SINK:
+        sink = gl.load(sink_ptr + hs, mask=hs < num_heads, other=float("-inf"))
+        factor = factor / (1.0 + gl.exp2(sink * LOG2E - lse2))
+    lse = gl.where(has_key, lse2 * LN2, float("-inf"))
+    gl.store(lse_ptr + t * lse_stride_t + hs, lse, mask=hs < num_heads)
+    o = gl.convert_layout((acc * gl.expand_dims(factor, 0)).to(gl.bfloat16), L_OUT)
+    do = gl.arange(0, D, layout=gl.SliceLayout(1, L_OUT))
+    ho = gl.arange(0, HP, layout=gl.SliceLayout(0, L_OUT))
+    gl.store(
+        out_ptr
+        + t * out_stride_t
+        + gl.expand_dims(ho.to(gl.int64) * out_stride_h, 0)
+        + gl.expand_dims(do, 1),
+        o,
+        mask=gl.expand_dims(ho < num_heads, 0),
+    )
