@@ -195,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--launches", type=int, default=3)
     p.add_argument("--ablate", action="store_true")
     p.add_argument("--rep-ms", type=int, default=100)
+    p.add_argument(
+        "--tiles",
+        default="",
+        help="KEY=VALUE,... set on the small-head tiles (for example KERNEL=2: the wgmma kernel)",
+    )
     p.add_argument("--summarise", type=Path, help="an ncu SASS csv: print its summary")
     p.add_argument("--tokens", type=int, default=16384, help="query tokens of that profile")
     args = p.parse_args(argv)
@@ -211,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
                 row = pool.map(_time_one, [(kind, args.case, args.rep_ms)])[0]
             print(json.dumps(row), flush=True)
         return 0
+    if args.tiles:
+        from dsv4_kernels import sparse_mla as sm
+
+        extra = {k: int(v) for k, v in (kv.split("=") for kv in args.tiles.split(","))}
+        sm.TILES = {**sm.TILES, "small": {**sm.TILES["small"], **extra}}
     shape = next(s for s in MATRIX if s.name == args.case)
     device = torch.device("cuda")
     inp = make_inputs(shape, device, fresh_seed())

@@ -52,12 +52,11 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("old-default", OLD_SMALL),
         # the FP8 words through inline PTX (ASM) and register caps (MAXNREG)
         ("old-words", {**OLD_SMALL, "ASM": 1}),
-        ("old-words-r168", {**OLD_SMALL, "ASM": 1, "MAXNREG": 168}),
-        ("old-r168", {**OLD_SMALL, "MAXNREG": 168}),
-        ("old-nopf-r128", {**OLD_SMALL, "PREFETCH": 0, "MAXNREG": 128}),
         # the Gluon wgmma kernel (Hopper): keys on M, one shared bf16 tile per 64 keys
         ("wgmma", {**OLD_SMALL, "KERNEL": 2, "PREFETCH": 1}),
-        ("wgmma-nopf", {**OLD_SMALL, "KERNEL": 2, "PREFETCH": 0}),
+        ("wgmma-r168", {**OLD_SMALL, "KERNEL": 2, "MAXNREG": 168}),
+        ("wgmma-async", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1}),
+        ("wgmma-async-r168", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "MAXNREG": 168}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

@@ -175,9 +175,13 @@ def test_cuda_graph_replay(gpu: torch.device) -> None:
 @pytest.mark.parametrize("heads", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("layer", ["c4a", "c128a", "swa"])
 @pytest.mark.parametrize("fresh", [False, True])
-@pytest.mark.parametrize("prefetch", [1, 0])
+@pytest.mark.parametrize(
+    "variant",
+    [dict(PREFETCH=1), dict(PREFETCH=0), dict(PREFETCH=1, ASYNC_PV=1, MAXNREG=168)],
+    ids=["prefetch", "no-prefetch", "async-pv-r168"],
+)
 def test_wgmma_kernel_matches_reference_and_triton(
-    heads: int, layer: str, fresh: bool, prefetch: int, gpu: torch.device,
+    heads: int, layer: str, fresh: bool, variant: dict, gpu: torch.device,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """The Gluon wgmma kernel (``KERNEL=2`` tiles, Hopper, up to 16 heads) against the
@@ -189,9 +193,11 @@ def test_wgmma_kernel_matches_reference_and_triton(
     topk = 1024 if heads == 16 else 512
     seed = fresh_seed()
     inp = cs.make_inputs(_shape(layer, heads, topk=topk, fresh=fresh), gpu, seed)
+    small = {k: v for k, v in sm.TILES["small"].items() if k not in ("KERNEL", "ASYNC_PV")}
+    monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": {**small, "KERNEL": 0}})
     t_out, t_lse = _outputs(inp)
-    inp.run_paged(t_out, t_lse)  # the Triton kernel (default tiles)
-    wg = {**sm.TILES["small"], "KERNEL": 2, "PREFETCH": prefetch}
+    inp.run_paged(t_out, t_lse)  # the Triton kernel
+    wg = {**small, "KERNEL": 2, **variant}
     monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": wg})
     assert sm._wgmma_ok(inp.q, wg, True, True), "the wgmma kernel would not run here"
     out, lse = _outputs(inp)

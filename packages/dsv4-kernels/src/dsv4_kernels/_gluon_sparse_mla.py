@@ -31,7 +31,12 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
 
 from ._triton_sparse_mla import RUNTIME_ARGS
 
@@ -139,8 +144,10 @@ def _attend_source(
     L_ROPE: gl.constexpr,
     L_MMA: gl.constexpr,
     PREFETCH: gl.constexpr,
+    ASYNC_PV: gl.constexpr,
 ):
-    """Online softmax over one key source (tiles of ``BN`` keys)."""
+    """Online softmax over one key source (tiles of ``BN`` keys).  With ``ASYNC_PV`` the
+    ``P V`` product of a tile runs while the next tile's bytes are loaded."""
     ok, data, scales = _gather(
         src_ptr,
         idx_row_ptr,
@@ -154,6 +161,8 @@ def _attend_source(
         BN,
         L_CODE,
     )
+    if ASYNC_PV:  # the loop carries the accumulator of an MMA in flight
+        acc = warpgroup_mma_init(acc)
     for start in range(0, length, BN):
         # The buffers are indexed by a zero the compiler cannot see through: the wgmma
         # descriptors then depend on the iteration and are not hoisted out of the loop
@@ -182,6 +191,8 @@ def _attend_source(
                 BN,
                 L_CODE,
             )
+        if ASYNC_PV:  # the previous tile's P V must be done before its tile is overwritten
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp is done reading the previous tile
         _block_to_smem(c0, sb, 0, k_smem, QB, L_CODE)
         _block_to_smem(c1, sb, 1, k_smem, QB, L_CODE)
@@ -205,7 +216,7 @@ def _attend_source(
         p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
         fence_async_shared()
         gl.thread_barrier()
-        acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem.permute((1, 0)), acc)
+        acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=ASYNC_PV)
         m_i = m_new
         if not PREFETCH:
             ok, data, scales = _gather(
@@ -221,6 +232,8 @@ def _attend_source(
                 BN,
                 L_CODE,
             )
+    if ASYNC_PV:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return acc, m_i, l_i
 
 
@@ -236,7 +249,7 @@ def _sparse_mla_wgmma_kernel(
     A_SLOTS: gl.constexpr, A_HAS_LENS: gl.constexpr, HAS_B: gl.constexpr,
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr, HAS_SINK: gl.constexpr,
     DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    HP: gl.constexpr, PREFETCH: gl.constexpr,
+    HP: gl.constexpr, PREFETCH: gl.constexpr, ASYNC_PV: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = 64
     D: gl.constexpr = 512
@@ -283,7 +296,7 @@ def _sparse_mla_wgmma_kernel(
     acc, m_i, l_i = _attend_source(
         acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len,
         a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB,
-        NOPE_, L_CODE, L_ROPE, L_MMA, PREFETCH,
+        NOPE_, L_CODE, L_ROPE, L_MMA, PREFETCH, ASYNC_PV,
     )  # fmt: skip
     if HAS_B:
         b_len = b_width
@@ -292,7 +305,7 @@ def _sparse_mla_wgmma_kernel(
         acc, m_i, l_i = _attend_source(
             acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
             b_len, b_row_stride, b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN,
-            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, PREFETCH,
+            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, PREFETCH, ASYNC_PV,
         )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453

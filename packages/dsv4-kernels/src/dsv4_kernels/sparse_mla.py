@@ -475,7 +475,9 @@ def _launch(
             SCALE_BYTES=TOKEN_SCALE_BYTES,
             HP=8 if H <= 8 else 16,
             PREFETCH=bool(tiles.get("PREFETCH", 1)),
+            ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
             num_warps=4,
+            **({"maxnreg": tiles["MAXNREG"]} if tiles.get("MAXNREG") else {}),
         )
         return
     meta = dict(
