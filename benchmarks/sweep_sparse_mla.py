@@ -57,6 +57,8 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("wgmma-r168", {**OLD_SMALL, "KERNEL": 2, "MAXNREG": 168}),
         ("wgmma-async", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1}),
         ("wgmma-async-r168", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "MAXNREG": 168}),
+        # the default tiles (r168 at up to 8 heads only)
+        ("wgmma-default", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "MAXNREG_H8": 168}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

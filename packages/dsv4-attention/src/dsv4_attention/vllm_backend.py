@@ -26,11 +26,15 @@ import torch
 
 ENV_MAX_HEADS = "DSV4_PREFILL_MAX_HEADS"
 # Compute capabilities where vLLM's FlashMLA prefill runs (Hopper, Blackwell).
-# There it is measured faster than the head-exact kernel at every head count
-# on the H200 except C128A with short fresh requests (docs/attention.md), so
-# the head-exact prefill is off by default; elsewhere (e.g. sm80, sm89, where
-# FlashMLA cannot run) it is the only prefill and is on for every head count.
+# On Hopper our Gluon wgmma kernel (dsv4_kernels._gluon_sparse_mla) is measured
+# faster than FlashMLA padded to 64 heads (plus vLLM's gather and combine) at 8
+# local heads (V4-Flash TP8) for every layer type, and slower at 16 (V4-Pro TP8,
+# C4A) on the H200 (docs/attention.md), so the head-exact prefill takes up to 8
+# heads there.  On Blackwell only the Triton kernel runs, which FlashMLA beats:
+# off.  Elsewhere (e.g. sm80, sm89, where FlashMLA cannot run) it is the only
+# prefill and is on for every head count.
 FLASHMLA_MAJORS = (9, 10)
+HOPPER_MAX_HEADS = 8
 
 
 _STEP: dict[str, Any] = {"meta": None, "plan": None}
@@ -46,6 +50,10 @@ def _default_max_heads() -> int:
         capability = current_platform.get_device_capability()
     except Exception:  # no vLLM, or no device: not a FlashMLA GPU
         capability = None
+    if capability is not None and capability.major == 9:
+        from dsv4_kernels.sparse_mla import wgmma_available
+
+        return HOPPER_MAX_HEADS if wgmma_available() else 0
     if capability is not None and capability.major in FLASHMLA_MAJORS:
         return 0
     return 128
@@ -54,8 +62,9 @@ def _default_max_heads() -> int:
 def max_heads() -> int:
     """Largest local head count that takes the head-exact prefill.
 
-    ``DSV4_PREFILL_MAX_HEADS`` overrides the measured default: 0 (off) where
-    vLLM's FlashMLA prefill runs (sm90, sm100), 128 (always) elsewhere.
+    ``DSV4_PREFILL_MAX_HEADS`` overrides the measured default: 8 on Hopper (with
+    the Gluon wgmma kernel; 0 without it), 0 (off) on Blackwell, where vLLM's
+    FlashMLA prefill is faster, and 128 (always) elsewhere.
     """
     raw = os.environ.get(ENV_MAX_HEADS, "")
     if not raw.strip():

@@ -331,3 +331,9 @@ def _sparse_mla_wgmma_kernel(
         o,
         mask=gl.expand_dims(ho < num_heads, 0),
     )
+
+
+def compiled_variants() -> int:
+    """How many variants of the kernel this process has compiled (0: never built)."""
+    caches = getattr(_sparse_mla_wgmma_kernel, "device_caches", {})
+    return sum(len(entry[0]) for entry in caches.values())

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
+from typing import Any
 
 import torch
 import triton
@@ -76,11 +78,25 @@ MMA_MIN_M = 16  # tl.dot's smallest M: heads are padded to this inside the kerne
 # FP8 pages only: a bf16 workspace tile is too large to hold twice.
 # ASM (absent: off) reads the FP8 codes as int32 words and dequantises them in inline
 # PTX; MAXNREG caps registers per thread.  Both are for sweeps: on the H200 they were
-# slower at 8/16 heads (docs/attention.md, run 6).
+# slower at 8/16 heads in the Triton kernel (docs/attention.md, run 6).
+# KERNEL=2 runs the Gluon wgmma kernel (:mod:`._gluon_sparse_mla`) where it can run
+# (Hopper, up to 16 heads, 16-byte aligned FP8 pages; else the Triton kernel), with
+# ASYNC_PV (the P V product overlapping the next tile's loads) and MAXNREG_H8, a
+# register cap for up to 8 heads that lets three programs share a multiprocessor
+# (the shared memory allows three at 8 heads, two at 16).  H200 runs 7-8 in
+# docs/attention.md.
 SMALL_HEADS = 16
 TILES: dict[str, dict[str, int]] = {
     "small": dict(
-        MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=4, NUM_STAGES=1, PREFETCH=1, BF16_DEQUANT=0
+        MAX_BLOCK_H=64,
+        BLOCK_N=32,
+        NUM_WARPS=4,
+        NUM_STAGES=1,
+        PREFETCH=1,
+        BF16_DEQUANT=0,
+        KERNEL=2,
+        ASYNC_PV=1,
+        MAXNREG_H8=168,
     ),
     "large": dict(
         MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=1, PREFETCH=0, BF16_DEQUANT=1
@@ -100,14 +116,60 @@ def _wgmma_ok(q: torch.Tensor, tiles: dict[str, int], paged: bool, aligned: bool
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    return _gluon_available()
+    return wgmma_available()
+
+
+_WGMMA_BROKEN: list[str] = []  # why the wgmma kernel failed to compile here, if it did
 
 
 @functools.cache
-def _gluon_available() -> bool:
+def _gluon_importable() -> bool:
     try:
         from . import _gluon_sparse_mla  # noqa: F401
     except ImportError:  # a Triton without Gluon's Hopper API
+        return False
+    return True
+
+
+def wgmma_available() -> bool:
+    """Whether this process can run the Gluon wgmma kernel on a Hopper GPU: Triton has
+    Gluon's Hopper API and the kernel has not failed to compile here.  (Whether a call
+    runs it also depends on the GPU, the head count and the cache's alignment.)"""
+    return not _WGMMA_BROKEN and _gluon_importable()
+
+
+def _launch_wgmma(
+    T: int, H: int, args: tuple[Any, ...], meta: dict[str, Any], tiles: dict[str, int]
+) -> bool:
+    """Launch the wgmma kernel; False (after one warning) when it does not compile with
+    this Triton, so the caller runs the Triton kernel instead."""
+    from . import _gluon_sparse_mla as g
+
+    hp = 8 if H <= 8 else 16
+    nreg = tiles.get("MAXNREG") or (tiles.get("MAXNREG_H8") if hp == 8 else None)
+    compiled_before = bool(g.compiled_variants())
+    try:
+        g._sparse_mla_wgmma_kernel[(T,)](
+            *args,
+            **meta,
+            DATA_BYTES=TOKEN_DATA_BYTES,
+            SCALE_BYTES=TOKEN_SCALE_BYTES,
+            HP=hp,
+            PREFETCH=bool(tiles.get("PREFETCH", 1)),
+            ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
+            num_warps=4,
+            **({"maxnreg": nreg} if nreg else {}),
+        )
+    except Exception as exc:
+        if compiled_before:  # it built here before: a real error, not this Triton's Gluon
+            raise
+        _WGMMA_BROKEN.append(f"{type(exc).__name__}: {exc}"[:400])
+        warnings.warn(
+            f"dsv4_kernels: the Gluon wgmma sparse MLA kernel did not build with Triton "
+            f"{triton.__version__} ({_WGMMA_BROKEN[0]}); the Triton kernel runs instead",
+            RuntimeWarning,
+            stacklevel=4,
+        )
         return False
     return True
 
@@ -461,25 +523,16 @@ def _launch(
         scale * _LOG2E,
     )
     if _wgmma_ok(q, tiles, a_paged, aligned):
-        from . import _gluon_sparse_mla as _g
-
-        _g._sparse_mla_wgmma_kernel[(T,)](
-            *args,
+        wg = dict(
             A_SLOTS=a_slots,
             A_HAS_LENS=a_lens is not None,
             HAS_B=b is not None,
             B_SLOTS=b_slots,
             B_HAS_LENS=b_lens is not None,
             HAS_SINK=sink is not None,
-            DATA_BYTES=TOKEN_DATA_BYTES,
-            SCALE_BYTES=TOKEN_SCALE_BYTES,
-            HP=8 if H <= 8 else 16,
-            PREFETCH=bool(tiles.get("PREFETCH", 1)),
-            ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
-            num_warps=4,
-            **({"maxnreg": tiles["MAXNREG"]} if tiles.get("MAXNREG") else {}),
         )
-        return
+        if _launch_wgmma(T, H, args, wg, tiles):
+            return
     meta = dict(
         A_SLOTS=a_slots,
         A_PAGED=a_paged,
@@ -497,7 +550,7 @@ def _launch(
     )
     # ASM (absent: off): the FP8 codes as int32 words through inline PTX (CUDA only).
     words = bool(tiles.get("ASM", 0)) and aligned and not interpreter_enabled()
-    extra = {}
+    extra: dict[str, Any] = {}
     if words:
         extra.update(A_WORDS=a_paged, B_WORDS=True)
     if tiles.get("MAXNREG") and not interpreter_enabled():
