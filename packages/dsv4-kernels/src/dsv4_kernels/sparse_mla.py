@@ -19,7 +19,9 @@ as holes, since the host cannot see index values without a GPU
 synchronisation.  A sink of ``-inf`` means no sink; a row with no valid key
 gives ``out = 0`` and ``lse = -inf``.
 
-CUDA tensors run the Triton kernel in :mod:`._triton_sparse_mla`; CPU tensors
+CUDA tensors run the Gluon wgmma kernel of :mod:`._gluon_sparse_mla` on Hopper (up
+to 16 heads, aligned FP8 pages) and the Triton kernel of :mod:`._triton_sparse_mla`
+otherwise; CPU tensors
 run :mod:`dsv4_kernels.reference` unless Triton's interpreter is on.
 """
 
