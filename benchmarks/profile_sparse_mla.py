@@ -15,7 +15,12 @@
   fresh process each, so the shipped kernel is never touched):
 
   - ``no-gather``: keys are not loaded (an index row's first key reused for all);
-  - ``no-dequant``: the FP8 codes become keys by a plain integer conversion.
+  - ``no-dequant``: the FP8 codes become keys by a plain integer conversion;
+  - with ``--wgmma``, the Gluon wgmma kernel as it is (``wgmma``) and with its
+    dequantisation replaced by one hardware conversion per two codes and no
+    scale (``wgmma-convert-only``: what holding the tile in f16 would cost).
+
+  The Triton kernel's ablations run with ``KERNEL=0`` tiles.
 
   The differences say how much of the time the gather and the dequantisation
   hold; the ablated outputs are wrong by design and not checked.
@@ -43,7 +48,8 @@ from .cases_sparse_mla import (
     reference_sample,
 )
 
-ABLATIONS = ("default", "no-gather", "no-dequant")
+ABLATIONS = ("default", "no-gather", "no-dequant")  # of the Triton kernel
+WGMMA_ABLATIONS = ("wgmma", "wgmma-convert-only")  # of the Gluon wgmma kernel (Hopper)
 
 
 def _patch(kind: str) -> None:
@@ -53,7 +59,24 @@ def _patch(kind: str) -> None:
 
     from dsv4_kernels import _triton_sparse_mla as k
 
-    if kind == "default":
+    if kind in ("default", "wgmma"):
+        return
+    if kind == "wgmma-convert-only":
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+
+        from dsv4_kernels import _gluon_sparse_mla as g
+
+        @gluon.jit
+        def convert_only(
+            codes, sb, b: gl.constexpr, k_smem, QB: gl.constexpr, L_CODE: gl.constexpr
+        ):
+            # one hardware conversion per two codes (what keeping the tile in f16 costs),
+            # no scale: the tile's values are wrong, its instruction count is the point
+            v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float16)
+            k_smem.slice(b * QB, QB, dim=1).store(v.to(gl.bfloat16, bitcast=True))
+
+        g._block_to_smem = convert_only
         return
     if kind == "no-dequant":
 
@@ -132,6 +155,10 @@ def _time_one(job: tuple[str, str, int]) -> dict[str, Any]:
     kind, case, rep = job
     import triton.testing
 
+    from dsv4_kernels import sparse_mla as sm
+
+    if not kind.startswith("wgmma"):  # the Triton kernel's ablations
+        sm.TILES = {**sm.TILES, "small": {**sm.TILES["small"], "KERNEL": 0}}
     _patch(kind)
     shape = next(s for s in MATRIX if s.name == case)
     device = torch.device("cuda")
@@ -194,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case", default="c4a-flash-tp8-1x16384@131072")
     p.add_argument("--launches", type=int, default=3)
     p.add_argument("--ablate", action="store_true")
+    p.add_argument("--wgmma", action="store_true", help="with --ablate: the wgmma kernel's too")
+    p.add_argument("--kinds", default="", help="with --ablate: only these ablations (a,b,...)")
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument(
         "--tiles",
@@ -211,7 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.ablate:
         ctx = mp.get_context("spawn")
-        for kind in ABLATIONS:  # one fresh process each: the patch happens before any compile
+        kinds = ABLATIONS + (WGMMA_ABLATIONS if args.wgmma else ())
+        if args.kinds:
+            kinds = tuple(k for k in args.kinds.split(",") if k)
+        for kind in kinds:  # one fresh process each: the patch happens before any compile
             with ctx.Pool(1) as pool:
                 row = pool.map(_time_one, [(kind, args.case, args.rep_ms)])[0]
             print(json.dumps(row), flush=True)
