@@ -59,9 +59,6 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("wgmma-async-r168", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "MAXNREG": 168}),
         # the default tiles (r168 at up to 8 heads only)
         ("wgmma-default", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "MAXNREG_H8": 168}),
-        # the next tile's bytes held in registers across this tile's math
-        ("wgmma-pf2", {**OLD_SMALL, "KERNEL": 2, "PREFETCH": 2, "ASYNC_PV": 1, "MAXNREG_H8": 168}),
-        ("wgmma-pf2-sync", {**OLD_SMALL, "KERNEL": 2, "PREFETCH": 2, "MAXNREG_H8": 168}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

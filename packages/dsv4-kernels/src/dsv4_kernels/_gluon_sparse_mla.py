@@ -18,9 +18,9 @@ around Hopper's warpgroup MMA with the keys on the M dimension:
   neither product pads the heads to 64 and the tile is read from shared memory
   by the tensor cores directly (no register round trip per dot);
 * the next tile's index entries are loaded before this tile's products
-  (``PREFETCH`` 1); its bytes are loaded at the top of the next step, or, with
-  ``PREFETCH`` 2, right after this tile is in shared memory, held in registers
-  across the products.
+  (``PREFETCH``); its bytes are loaded at the top of the next step (holding them
+  across the products spilled registers), and two programs per multiprocessor
+  overlap one program's gather with the other's math.
 
 CUDA sm_90 only (wgmma); the launcher in :mod:`.sparse_mla` chooses it.  Gluon
 has no interpreter: the CPU suite runs the Triton kernel, and the GPU tests run
@@ -161,10 +161,6 @@ def _attend_source(
         BN,
         L_CODE,
     )
-    if PREFETCH == 2:  # the loop carries the next tile's bytes
-        c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(
-            ok, data, scales, QB, NOPE_, L_CODE, L_ROPE
-        )
     if ASYNC_PV:  # the loop carries the accumulator of an MMA in flight
         acc = warpgroup_mma_init(acc)
     for start in range(0, length, BN):
@@ -177,10 +173,9 @@ def _attend_source(
         k_smem = k_all.index(z)
         q_smem = q_all.index(z)
         p_smem = p_all.index(z)
-        if PREFETCH != 2:
-            c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(
-                ok, data, scales, QB, NOPE_, L_CODE, L_ROPE
-            )
+        c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(
+            ok, data, scales, QB, NOPE_, L_CODE, L_ROPE
+        )
         ok_s = gl.convert_layout(ok, gl.SliceLayout(1, L_MMA))
         if PREFETCH:  # the next tile's index entries (the first of two dependent loads)
             ok, data, scales = _gather(
@@ -207,10 +202,6 @@ def _attend_source(
         _block_to_smem(c5, sb, 5, k_smem, QB, L_CODE)
         _block_to_smem(c6, sb, 6, k_smem, QB, L_CODE)
         k_smem.slice(NOPE_, QB, dim=1).store(rope)
-        if PREFETCH == 2:  # and its bytes, held in registers across this tile's math
-            c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(
-                ok, data, scales, QB, NOPE_, L_CODE, L_ROPE
-            )
         fence_async_shared()
         gl.thread_barrier()
         s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)

@@ -157,7 +157,7 @@ def _launch_wgmma(
             DATA_BYTES=TOKEN_DATA_BYTES,
             SCALE_BYTES=TOKEN_SCALE_BYTES,
             HP=hp,
-            PREFETCH=int(tiles.get("PREFETCH", 1)),  # 0, 1 (index entries) or 2 (bytes too)
+            PREFETCH=bool(tiles.get("PREFETCH", 1)),
             ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
             num_warps=4,
             **({"maxnreg": nreg} if nreg else {}),
