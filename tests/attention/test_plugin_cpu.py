@@ -52,3 +52,42 @@ def test_every_replaced_name_has_a_signature_and_consumers() -> None:
     for name in (*vllm_targets.CUDA_OPS, "dequantize_and_gather_k_cache"):
         assert name in vllm_targets.SIGNATURES
         assert vllm_targets.OPS_PACKAGE in vllm_targets.CONSUMERS[name]
+
+
+@pytest.mark.parametrize(
+    ("major", "wgmma", "heads"),
+    [
+        (9, True, 8),
+        (9, False, 0),
+        (10, True, 0),
+        (8, True, 128),
+        (12, True, 128),
+        (None, True, 128),
+    ],
+    ids=["hopper", "hopper-without-gluon", "blackwell", "ampere", "sm120", "no-device"],
+)
+def test_default_head_limit_follows_the_measurements(
+    major: int | None, wgmma: bool, heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hopper with the wgmma kernel: up to 8 local heads (measured faster than FlashMLA
+    there); Blackwell: off (FlashMLA); GPUs without FlashMLA: every head count."""
+    import types
+
+    from dsv4_attention import vllm_backend
+    from dsv4_kernels import sparse_mla
+
+    capability = None if major is None else types.SimpleNamespace(major=major, minor=0)
+    platform = types.SimpleNamespace(get_device_capability=lambda: capability)
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = platform  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setattr(sparse_mla, "wgmma_available", lambda: wgmma)
+    monkeypatch.delenv(vllm_backend.ENV_MAX_HEADS, raising=False)
+    vllm_backend._default_max_heads.cache_clear()
+    try:
+        assert vllm_backend.max_heads() == heads
+        monkeypatch.setenv(vllm_backend.ENV_MAX_HEADS, "16")
+        assert vllm_backend.max_heads() == 16  # the switch overrides the default
+    finally:
+        vllm_backend._default_max_heads.cache_clear()
