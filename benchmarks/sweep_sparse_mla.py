@@ -53,7 +53,7 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         # the FP8 words through inline PTX (ASM) and register caps (MAXNREG)
         ("old-words", {**OLD_SMALL, "ASM": 1}),
         # the Gluon wgmma kernel (Hopper): keys on M, one shared bf16 tile per 64 keys
-        ("wgmma", {**OLD_SMALL, "KERNEL": 2, "PREFETCH": 1}),
+        ("wgmma", {**OLD_SMALL, "KERNEL": 2}),
         ("wgmma-r168", {**OLD_SMALL, "KERNEL": 2, "MAXNREG": 168}),
         ("wgmma-async", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1}),
         ("wgmma-async-r168", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "MAXNREG": 168}),

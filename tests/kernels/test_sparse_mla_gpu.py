@@ -193,8 +193,8 @@ def test_cuda_graph_replay(gpu: torch.device) -> None:
 @pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize(
     "variant",
-    [dict(PREFETCH=1), dict(PREFETCH=0), dict(PREFETCH=1, ASYNC_PV=1, MAXNREG=168)],
-    ids=["prefetch", "no-prefetch", "async-pv-r168"],
+    [dict(ASYNC_PV=0), dict(ASYNC_PV=1), dict(ASYNC_PV=1, MAXNREG=168)],
+    ids=["sync-pv", "async-pv", "async-pv-r168"],
 )
 def test_wgmma_kernel_matches_reference_and_triton(
     heads: int, layer: str, fresh: bool, variant: dict, gpu: torch.device,

@@ -17,10 +17,11 @@ around Hopper's warpgroup MMA with the keys on the M dimension:
   ``O^T [512, HP] += K^T P^T`` (wgmma, A = the same buffer read transposed):
   neither product pads the heads to 64 and the tile is read from shared memory
   by the tensor cores directly (no register round trip per dot);
-* the next tile's index entries are loaded before this tile's products
-  (``PREFETCH``); its bytes are loaded at the top of the next step (holding them
-  across the products spilled registers), and two programs per multiprocessor
-  overlap one program's gather with the other's math.
+* the next tile's index entries are loaded before this tile's products; its
+  bytes at the top of the next step, while ``ASYNC_PV`` lets this tile's
+  ``P V`` product run (holding the bytes across the products was 10x slower,
+  run 9), and two or three programs per multiprocessor overlap one program's
+  gather with another's math.
 
 CUDA sm_90 only (wgmma); the launcher in :mod:`.sparse_mla` chooses it.  Gluon
 has no interpreter: the CPU suite runs the Triton kernel, and the GPU tests run
@@ -143,24 +144,14 @@ def _attend_source(
     L_CODE: gl.constexpr,
     L_ROPE: gl.constexpr,
     L_MMA: gl.constexpr,
-    PREFETCH: gl.constexpr,
     ASYNC_PV: gl.constexpr,
 ):
     """Online softmax over one key source (tiles of ``BN`` keys).  With ``ASYNC_PV`` the
     ``P V`` product of a tile runs while the next tile's bytes are loaded."""
     ok, data, scales = _gather(
-        src_ptr,
-        idx_row_ptr,
-        0,
-        length,
-        row_stride,
-        num_rows,
-        SLOTS,
-        DATA_BYTES,
-        SCALE_BYTES,
-        BN,
-        L_CODE,
-    )
+        src_ptr, idx_row_ptr, 0, length, row_stride, num_rows, SLOTS, DATA_BYTES, SCALE_BYTES,
+        BN, L_CODE,
+    )  # fmt: skip
     if ASYNC_PV:  # the loop carries the accumulator of an MMA in flight
         acc = warpgroup_mma_init(acc)
     for start in range(0, length, BN):
@@ -177,20 +168,12 @@ def _attend_source(
             ok, data, scales, QB, NOPE_, L_CODE, L_ROPE
         )
         ok_s = gl.convert_layout(ok, gl.SliceLayout(1, L_MMA))
-        if PREFETCH:  # the next tile's index entries (the first of two dependent loads)
-            ok, data, scales = _gather(
-                src_ptr,
-                idx_row_ptr,
-                start + BN,
-                length,
-                row_stride,
-                num_rows,
-                SLOTS,
-                DATA_BYTES,
-                SCALE_BYTES,
-                BN,
-                L_CODE,
-            )
+        # the next tile's index entries, the first of its two dependent loads, before this
+        # tile's math (measured the same as after it: run 7)
+        ok, data, scales = _gather(
+            src_ptr, idx_row_ptr, start + BN, length, row_stride, num_rows, SLOTS, DATA_BYTES,
+            SCALE_BYTES, BN, L_CODE,
+        )  # fmt: skip
         if ASYNC_PV:  # the previous tile's P V must be done before its tile is overwritten
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp is done reading the previous tile
@@ -218,20 +201,6 @@ def _attend_source(
         gl.thread_barrier()
         acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=ASYNC_PV)
         m_i = m_new
-        if not PREFETCH:
-            ok, data, scales = _gather(
-                src_ptr,
-                idx_row_ptr,
-                start + BN,
-                length,
-                row_stride,
-                num_rows,
-                SLOTS,
-                DATA_BYTES,
-                SCALE_BYTES,
-                BN,
-                L_CODE,
-            )
     if ASYNC_PV:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     return acc, m_i, l_i
@@ -249,7 +218,7 @@ def _sparse_mla_wgmma_kernel(
     A_SLOTS: gl.constexpr, A_HAS_LENS: gl.constexpr, HAS_B: gl.constexpr,
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr, HAS_SINK: gl.constexpr,
     DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    HP: gl.constexpr, PREFETCH: gl.constexpr, ASYNC_PV: gl.constexpr,
+    HP: gl.constexpr, ASYNC_PV: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = 64
     D: gl.constexpr = 512
@@ -296,7 +265,7 @@ def _sparse_mla_wgmma_kernel(
     acc, m_i, l_i = _attend_source(
         acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len,
         a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB,
-        NOPE_, L_CODE, L_ROPE, L_MMA, PREFETCH, ASYNC_PV,
+        NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV,
     )  # fmt: skip
     if HAS_B:
         b_len = b_width
@@ -305,7 +274,7 @@ def _sparse_mla_wgmma_kernel(
         acc, m_i, l_i = _attend_source(
             acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
             b_len, b_row_stride, b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN,
-            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, PREFETCH, ASYNC_PV,
+            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV,
         )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453

@@ -157,7 +157,6 @@ def _launch_wgmma(
             DATA_BYTES=TOKEN_DATA_BYTES,
             SCALE_BYTES=TOKEN_SCALE_BYTES,
             HP=hp,
-            PREFETCH=bool(tiles.get("PREFETCH", 1)),
             ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
             num_warps=4,
             **({"maxnreg": nreg} if nreg else {}),
