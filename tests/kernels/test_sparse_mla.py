@@ -30,7 +30,11 @@ def spec(
     scale: float,
     sink: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token oracle; sources are (values [slots, 512] float32, indices [T, K], lens or None)."""
+    """Per-token oracle; sources are (values [slots, 512] float32, indices [T, K], lens or None).
+    Computed on the CPU in float64 whatever device the inputs are on."""
+    q = q.cpu()
+    sources = [(v.cpu(), i.cpu(), None if n is None else n.cpu()) for v, i, n in sources]
+    sink = None if sink is None else sink.cpu()
     T, H, D = q.shape
     out = torch.zeros(T, H, D, dtype=torch.float64)
     lse = torch.full((T, H), -math.inf, dtype=torch.float64)
@@ -55,6 +59,7 @@ def spec(
 
 
 def _check(out: torch.Tensor, lse: torch.Tensor, want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    out, lse = out.cpu(), lse.cpu()
     assert not torch.isnan(out.float()).any(), "out has NaN (unwritten or bad arithmetic)"
     assert not torch.isnan(lse).any(), "lse has NaN (unwritten or bad arithmetic)"
     want_out, want_lse = want

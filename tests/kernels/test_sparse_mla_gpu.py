@@ -225,3 +225,53 @@ def test_wgmma_kernel_matches_reference_and_triton(
     want = cs.reference_sample(inp, tokens)
     cs.assert_close_attention((out[tokens], lse[tokens]), want, f"wgmma, seed {seed}")
     cs.assert_close_attention((out, lse), (t_out, t_lse), f"wgmma vs Triton, seed {seed}")
+
+
+def _semantic_cases() -> list[tuple[str, object, tuple]]:
+    """The CPU suite's semantic tests (holes, lengths, slots past the cache, rows without
+    keys, sinks, block-outer views, the float64 spec oracle) as (name, test, extra args)."""
+    from tests.kernels import test_sparse_mla as cpu
+
+    cases: list[tuple[str, object, tuple]] = [
+        ("holes-lengths-out-of-range", cpu.test_holes_lengths_and_out_of_range, ()),
+        ("sink", cpu.test_sink_semantics, ()),
+    ]
+    for kind in ("zero-length", "all-holes", "all-out-of-range", "zero-width"):
+        cases.append((f"no-keys-{kind}", cpu.test_row_without_keys_gives_zero_and_neg_inf, (kind,)))
+    for three_d in (True, False):
+        cases.append(
+            (
+                f"block-outer-3d{int(three_d)}",
+                cpu.test_block_outer_views_equal_page_contiguous,
+                (three_d,),
+            )
+        )
+    for heads in (1, 3, 8, 16):
+        for comp in (True, False):
+            cases.append(
+                (f"spec-h{heads}-comp{int(comp)}", cpu.test_paged_matches_spec, (heads, comp, True))
+            )
+    return cases
+
+
+@pytest.mark.parametrize("case", _semantic_cases(), ids=lambda c: c[0])
+def test_semantics_on_the_wgmma_kernel(
+    case: tuple[str, object, tuple], gpu: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU suite's semantic cases, run on the GPU where the wgmma kernel takes them
+    (asserted: every launch of the case went to it), against the same float64 oracle."""
+    if torch.cuda.get_device_capability(gpu)[0] != 9:
+        pytest.skip("the wgmma kernel is for compute capability 9.x (Hopper)")
+    from dsv4_kernels import sparse_mla as sm
+
+    launched: list[bool] = []
+    original = sm._launch_wgmma
+
+    def counting(*args: object, **kwargs: object) -> bool:
+        launched.append(original(*args, **kwargs))  # type: ignore[arg-type]
+        return launched[-1]
+
+    monkeypatch.setattr(sm, "_launch_wgmma", counting)
+    _name, test, extra = case
+    test(*extra, gpu)  # type: ignore[operator]
+    assert launched and all(launched), f"the wgmma kernel ran {sum(launched)} of {len(launched)}"
