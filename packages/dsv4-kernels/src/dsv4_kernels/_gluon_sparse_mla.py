@@ -9,9 +9,9 @@ around Hopper's warpgroup MMA with the keys on the M dimension:
 
 * one program (one warpgroup, 4 warps) per query token; heads padded to
   ``HP`` (8 or 16: wgmma's N) inside the kernel only;
-* per tile of 64 keys: gather each key's 7 x 64 FP8 codes, 7 scale bytes and 64
-  bf16 rope values by slot, dequantise **once** and store the bf16 tile to one
-  shared-memory buffer ``K [64, 512]``;
+* per tile of 64 keys (wgmma's M): gather each key's 7 x 64 FP8 codes, its 7
+  scale bytes (one 8-byte word) and 64 bf16 rope values by slot, dequantise
+  **once** and store the bf16 tile to one shared-memory buffer ``K [64, 512]``;
 * ``S^T [64, HP] = K q^T`` (wgmma, A = K from shared memory, B = q^T), online
   softmax down the key axis, ``P^T`` to shared memory, then
   ``O^T [512, HP] += K^T P^T`` (wgmma, A = the same buffer read transposed):
@@ -40,12 +40,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._triton_sparse_mla import RUNTIME_ARGS
-
-BLOCK_N = 64  # keys per tile: wgmma's M
-HEAD_DIM = 512
-NOPE = 448
-QBLOCK = 64
-NQ = 7
 
 
 @gluon.jit
