@@ -149,7 +149,6 @@ def _launch_wgmma(
 
     hp = 8 if H <= 8 else 16
     nreg = tiles.get("MAXNREG") or (tiles.get("MAXNREG_H8") if hp == 8 else None)
-    compiled_before = bool(g.compiled_variants())
     try:
         g._sparse_mla_wgmma_kernel[(T,)](
             *args,
@@ -162,7 +161,9 @@ def _launch_wgmma(
             **({"maxnreg": nreg} if nreg else {}),
         )
     except Exception as exc:
-        if compiled_before:  # it built here before: a real error, not this Triton's Gluon
+        # A failed build leaves no compiled variant: once one exists, Gluon can build the
+        # kernel here and this is a real error, not a fallback case.
+        if g.compiled_variants():
             raise
         _WGMMA_BROKEN.append(f"{type(exc).__name__}: {exc}"[:400])
         warnings.warn(
@@ -523,25 +524,19 @@ def _launch(
         lse.stride(0),
         scale * _LOG2E,
     )
-    if _wgmma_ok(q, tiles, a_paged, aligned):
-        wg = dict(
-            A_SLOTS=a_slots,
-            A_HAS_LENS=a_lens is not None,
-            HAS_B=b is not None,
-            B_SLOTS=b_slots,
-            B_HAS_LENS=b_lens is not None,
-            HAS_SINK=sink is not None,
-        )
-        if _launch_wgmma(T, H, args, wg, tiles):
-            return
-    meta = dict(
+    sources = dict(  # what both kernels specialise on
         A_SLOTS=a_slots,
-        A_PAGED=a_paged,
         A_HAS_LENS=a_lens is not None,
         HAS_B=b is not None,
         B_SLOTS=b_slots,
         B_HAS_LENS=b_lens is not None,
         HAS_SINK=sink is not None,
+    )
+    if _wgmma_ok(q, tiles, a_paged, aligned) and _launch_wgmma(T, H, args, sources, tiles):
+        return
+    meta = dict(
+        **sources,
+        A_PAGED=a_paged,
         ALIGNED=aligned,
         **_LAYOUT,
         HEAD_BLOCKS=head_blocks,
