@@ -50,15 +50,14 @@ OLD_LARGE = dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=1, PREFETCH
 VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
     "small": [
         ("old-default", OLD_SMALL),
-        # the FP8 words through inline PTX (ASM) and register caps (MAXNREG)
-        ("old-words", {**OLD_SMALL, "ASM": 1}),
-        # the Gluon wgmma kernel (Hopper): keys on M, one shared bf16 tile per 64 keys
-        ("wgmma", {**OLD_SMALL, "KERNEL": 2}),
-        ("wgmma-r168", {**OLD_SMALL, "KERNEL": 2, "MAXNREG": 168}),
-        ("wgmma-async", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1}),
-        ("wgmma-async-r168", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "MAXNREG": 168}),
-        # the default tiles (r168 at up to 8 heads only)
-        ("wgmma-default", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "MAXNREG_H8": 168}),
+        # the Gluon wgmma kernel (Hopper): keys on M, one shared 16-bit tile per 64 keys,
+        # P V asynchronous; bf16 tiles (scales applied per code) against f16 tiles (F16:
+        # codes times 2**(byte - E), the key's 2**E on its S row and P)
+        ("wgmma-bf16", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1}),
+        ("wgmma-bf16-r168", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "MAXNREG_H8": 168}),
+        ("wgmma-f16", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "F16": 1}),
+        ("wgmma-f16-r168", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "F16": 1, "MAXNREG_H8": 168}),
+        ("wgmma-f16-r176", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "F16": 1, "MAXNREG_H8": 176}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

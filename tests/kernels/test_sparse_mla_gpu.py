@@ -193,8 +193,13 @@ def test_cuda_graph_replay(gpu: torch.device) -> None:
 @pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize(
     "variant",
-    [dict(ASYNC_PV=0), dict(ASYNC_PV=1), dict(ASYNC_PV=1, MAXNREG=168)],
-    ids=["sync-pv", "async-pv", "async-pv-r168"],
+    [
+        dict(ASYNC_PV=0),
+        dict(ASYNC_PV=1, MAXNREG=168),
+        dict(ASYNC_PV=1, F16=1),
+        dict(ASYNC_PV=1, F16=1, MAXNREG=168),
+    ],
+    ids=["sync-pv", "async-pv-r168", "f16-async-pv", "f16-async-pv-r168"],
 )
 def test_wgmma_kernel_matches_reference_and_triton(
     heads: int, layer: str, fresh: bool, variant: dict, gpu: torch.device,
@@ -210,7 +215,9 @@ def test_wgmma_kernel_matches_reference_and_triton(
     seed = fresh_seed()
     inp = cs.make_inputs(_shape(layer, heads, topk=topk, fresh=fresh), gpu, seed)
     small = {
-        k: v for k, v in sm.TILES["small"].items() if k not in ("KERNEL", "ASYNC_PV", "MAXNREG_H8")
+        k: v
+        for k, v in sm.TILES["small"].items()
+        if k not in ("KERNEL", "ASYNC_PV", "MAXNREG_H8", "F16")
     }
     monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": {**small, "KERNEL": 0}})
     t_out, t_lse = _outputs(inp)
@@ -262,6 +269,14 @@ def test_semantics_on_the_wgmma_kernel(
     (asserted: every launch of the case went to it), against the same float64 oracle."""
     if torch.cuda.get_device_capability(gpu)[0] != 9:
         pytest.skip("the wgmma kernel is for compute capability 9.x (Hopper)")
+    launched = _count_wgmma_launches(monkeypatch)
+    _name, test, extra = case
+    test(*extra, gpu)  # type: ignore[operator]
+    assert launched and all(launched), f"the wgmma kernel ran {sum(launched)} of {len(launched)}"
+
+
+def _count_wgmma_launches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Record whether each launch of the test went to the wgmma kernel."""
     from dsv4_kernels import sparse_mla as sm
 
     launched: list[bool] = []
@@ -272,6 +287,43 @@ def test_semantics_on_the_wgmma_kernel(
         return launched[-1]
 
     monkeypatch.setattr(sm, "_launch_wgmma", counting)
-    _name, test, extra = case
-    test(*extra, gpu)  # type: ignore[operator]
-    assert launched and all(launched), f"the wgmma kernel ran {sum(launched)} of {len(launched)}"
+    return launched
+
+
+@pytest.mark.parametrize("heads", [8, 16])
+@pytest.mark.parametrize("q_exp", [-30, 0, 20])
+@pytest.mark.parametrize("f16", [0, 1])
+def test_wgmma_kernel_over_wide_value_ranges(
+    heads: int, q_exp: int, f16: int, gpu: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keys whose 64-value blocks (rope included) span ``2**-16 .. 2**16`` of each other,
+    keys ``2**-20 .. 2**20`` apart, queries scaled by ``2**q_exp``: both tile types of the
+    wgmma kernel (F16 rescales each key to its largest block, P to the largest key) against
+    the float64 oracle at the CPU suite's tolerances."""
+    from tests.kernels import test_sparse_mla as cpu
+
+    from dsv4_kernels import sparse_mla as sm
+
+    if torch.cuda.get_device_capability(gpu)[0] != 9:
+        pytest.skip("the wgmma kernel is for compute capability 9.x (Hopper)")
+    small = {**sm.TILES["small"], "KERNEL": 2, "ASYNC_PV": 1, "F16": f16}
+    monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": small})
+    launched = _count_wgmma_launches(monkeypatch)
+    seed = fresh_seed()
+    g = torch.Generator(device=gpu).manual_seed(seed)
+    pages, block = 8, 64
+    keys = ts.random_keys(pages * block, generator=g, device=gpu, spread=16).float()
+    shift = torch.randint(-20, 21, (pages * block, 1), generator=g, device=gpu)
+    keys = (keys * torch.exp2(shift.float())).to(torch.bfloat16)
+    swa = ts.paged_cache(pages, block, generator=g, device=gpu, keys=keys)
+    T = 24
+    idx, lens = ts.index_rows(T, 200, swa.num_slots, generator=g, device=gpu, empty_rows=1)
+    q = ts.random_q(T, heads, generator=g, device=gpu).float() * 2.0**q_exp
+    q = q.to(torch.bfloat16)
+    sink = ts.random_sink(heads, generator=g, device=gpu)
+    out, lse = cpu._outputs(T, heads, gpu)
+    dk.sparse_mla_paged(
+        q, swa.cache, idx, lens, SCALE, swa_block_size=block, attn_sink=sink, out=out, lse=lse
+    )
+    assert launched == [True], f"the wgmma kernel did not take the call (seed {seed})"
+    cpu._check(out, lse, cpu.spec(q, [(swa.values, idx, lens)], SCALE, sink))
