@@ -47,17 +47,23 @@ CASES = (
 
 OLD_SMALL = dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=4, NUM_STAGES=1, PREFETCH=1, BF16_DEQUANT=0)
 OLD_LARGE = dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=1, PREFETCH=0, BF16_DEQUANT=1)
+WG = {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1}
 VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
     "small": [
         ("old-default", OLD_SMALL),
         # the Gluon wgmma kernel (Hopper): keys on M, one shared 16-bit tile per 64 keys,
         # P V asynchronous; bf16 tiles (scales applied per code) against f16 tiles (F16:
-        # codes times 2**(byte - E), the key's 2**E on its S row and P)
-        ("wgmma-bf16", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1}),
-        ("wgmma-bf16-r168", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "MAXNREG_H8": 168}),
-        ("wgmma-f16", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "F16": 1}),
-        ("wgmma-f16-r168", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "F16": 1, "MAXNREG_H8": 168}),
-        ("wgmma-f16-r176", {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1, "F16": 1, "MAXNREG_H8": 176}),
+        # codes times 2**(byte - E), the key's 2**E on its S row and P); CAT: the tile
+        # stored at once (no barriers between its eight column blocks); ROPE_FIRST: the
+        # rope and scales requested before the codes
+        ("wgmma-bf16-r168", {**WG, "MAXNREG_H8": 168}),
+        ("wgmma-bf16-cat", {**WG, "CAT": 1}),
+        ("wgmma-bf16-cat-r168", {**WG, "CAT": 1, "MAXNREG_H8": 168}),
+        ("wgmma-f16-r168", {**WG, "F16": 1, "MAXNREG_H8": 168}),
+        ("wgmma-f16-cat", {**WG, "F16": 1, "CAT": 1}),
+        ("wgmma-f16-cat-r168", {**WG, "F16": 1, "CAT": 1, "MAXNREG_H8": 168}),
+        ("wgmma-f16-cat-rf", {**WG, "F16": 1, "CAT": 1, "ROPE_FIRST": 1}),
+        ("wgmma-f16-cat-rf-r168", {**WG, "F16": 1, "CAT": 1, "ROPE_FIRST": 1, "MAXNREG_H8": 168}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

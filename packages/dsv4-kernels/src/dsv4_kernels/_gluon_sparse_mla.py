@@ -78,9 +78,13 @@ def _load_tile(
     NOPE_: gl.constexpr,
     L_CODE: gl.constexpr,
     L_ROPE: gl.constexpr,
+    ROPE_FIRST: gl.constexpr,
 ):
     """The tile's raw bytes: seven ``[BN, 64]`` uint8 code blocks, the ``[BN]`` int64
-    words of scale bytes and the ``[BN, 64]`` bf16 rope values."""
+    words of scale bytes and the ``[BN, 64]`` bf16 rope values (requested first with
+    ``ROPE_FIRST``, for the f16 tile's key exponents)."""
+    if ROPE_FIRST:
+        sb, rope = _load_rope(ok, data, scales, QB, NOPE_, L_ROPE)
     e = gl.arange(0, QB, layout=gl.SliceLayout(0, L_CODE))
     m2 = gl.expand_dims(ok, 1)
     p2 = gl.expand_dims(data, 1) + gl.expand_dims(e, 0)
@@ -91,6 +95,13 @@ def _load_tile(
     c4 = gl.load(p2 + 4 * QB, mask=m2, other=0)
     c5 = gl.load(p2 + 5 * QB, mask=m2, other=0)
     c6 = gl.load(p2 + 6 * QB, mask=m2, other=0)
+    if not ROPE_FIRST:
+        sb, rope = _load_rope(ok, data, scales, QB, NOPE_, L_ROPE)
+    return c0, c1, c2, c3, c4, c5, c6, sb, rope
+
+
+@gluon.jit
+def _load_rope(ok, data, scales, QB: gl.constexpr, NOPE_: gl.constexpr, L_ROPE: gl.constexpr):
     # the seven scale bytes as one 8-byte word (byte 7 is padding)
     sb = gl.load(scales.to(gl.pointer_type(gl.int64)), mask=ok, other=0)
     ok_r = gl.convert_layout(ok, gl.SliceLayout(1, L_ROPE))
@@ -100,18 +111,18 @@ def _load_tile(
     rope = gl.load(
         gl.expand_dims(rope_ptr, 1) + gl.expand_dims(er, 0), mask=gl.expand_dims(ok_r, 1), other=0.0
     )
-    return c0, c1, c2, c3, c4, c5, c6, sb, rope
+    return sb, rope
 
 
 @gluon.jit
-def _block_to_smem(codes, sb, b: gl.constexpr, k_smem, QB: gl.constexpr, L_CODE: gl.constexpr):
-    """Dequantise code block ``b`` (``code * 2**(byte - 127)``, exact in bf16) into
+def _block_bf16(codes, sb, b: gl.constexpr):
+    """Dequantised code block ``b`` (``code * 2**(byte - 127)``, exact in bf16), for
     columns ``64 b .. 64 b + 64`` of the shared tile; ``sb`` holds the key's scale
     bytes as one int64 (byte ``b`` = bits ``8 b .. 8 b + 8``)."""
     byte = ((sb >> (8 * b)) & 0xFF).to(gl.int32)
     scale = (byte << 23).to(gl.float32, bitcast=True)
     v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 1)
-    k_smem.slice(b * QB, QB, dim=1).store(v.to(gl.bfloat16))
+    return v.to(gl.bfloat16)
 
 
 @gluon.jit
@@ -140,15 +151,27 @@ def _pow2(e):
 
 
 @gluon.jit
-def _block_to_smem_f16(codes, word, e_key, b: gl.constexpr, k_smem, QB: gl.constexpr):
+def _cat8(b0, b1, b2, b3, b4, b5, b6, b7):
+    """Eight ``[BN, 64]`` blocks side by side as one ``[BN, 512]`` tensor, no data
+    movement (each thread keeps its registers): one store of the whole tile, where
+    eight stores to column slices of one buffer are separated by barriers (the
+    barrier pass sees every slice as the whole buffer)."""
+    x = gl.join(
+        gl.join(gl.join(b0, b1), gl.join(b2, b3)), gl.join(gl.join(b4, b5), gl.join(b6, b7))
+    )
+    x = gl.permute(x, (0, 4, 3, 2, 1))  # [BN, j3, j2, j1, 64]: block 4 j3 + 2 j2 + j1
+    return gl.reshape(x, [x.shape[0], 512])
+
+
+@gluon.jit
+def _block_f16(codes, word, e_key, b: gl.constexpr):
     """Code block ``b`` as f16 ``code * 2**(byte - E)`` (``E`` the key's exponent, so
     the factor is at most 1): one e4m3-to-f16 conversion and one f16 multiply per
     code, against three float32 steps for bf16 (scale on the key's S row and P).
     ``word`` holds the block's scale byte at bits ``8 (b % 4)``."""
     byte = (word >> (8 * (b % 4))) & 0xFF
     factor = _pow2(byte - e_key + 127).to(gl.float16)
-    v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float16) * gl.expand_dims(factor, 1)
-    k_smem.slice(b * QB, QB, dim=1).store(v)
+    return codes.to(gl.float8e4nv, bitcast=True).to(gl.float16) * gl.expand_dims(factor, 1)
 
 
 @gluon.jit
@@ -178,6 +201,8 @@ def _attend_source(
     L_MMA: gl.constexpr,
     ASYNC_PV: gl.constexpr,
     F16: gl.constexpr,
+    CAT: gl.constexpr,
+    ROPE_FIRST: gl.constexpr,
 ):
     """Online softmax over one key source (tiles of ``BN`` keys).  With ``ASYNC_PV`` the
     ``P V`` product of a tile runs while the next tile's bytes are loaded."""
@@ -198,7 +223,7 @@ def _attend_source(
         q_smem = q_all.index(z)
         p_smem = p_all.index(z)
         c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(
-            ok, data, scales, QB, NOPE_, L_CODE, L_ROPE
+            ok, data, scales, QB, NOPE_, L_CODE, L_ROPE, ROPE_FIRST
         )
         ok_t = ok  # this tile's validity (``ok`` moves on to the next tile)
         if not F16:
@@ -219,27 +244,38 @@ def _attend_source(
             # rope * 2**(127 - E): below 2**9 by the choice of E (the factor is clamped to
             # float32's normal range, reached only by all-zero keys)
             f_r = _pow2(gl.maximum(254 - e_key, 1))
-            rope16 = (rope.to(gl.float32) * gl.expand_dims(f_r, 1)).to(gl.float16)
-            k_smem.slice(NOPE_, QB, dim=1).store(rope16)
+            b7 = (rope.to(gl.float32) * gl.expand_dims(f_r, 1)).to(gl.float16)
+            b0 = _block_f16(c0, lo, e_key, 0)
+            b1 = _block_f16(c1, lo, e_key, 1)
+            b2 = _block_f16(c2, lo, e_key, 2)
+            b3 = _block_f16(c3, lo, e_key, 3)
+            b4 = _block_f16(c4, hi, e_key, 4)
+            b5 = _block_f16(c5, hi, e_key, 5)
+            b6 = _block_f16(c6, hi, e_key, 6)
+        else:
+            b0 = _block_bf16(c0, sb, 0)
+            b1 = _block_bf16(c1, sb, 1)
+            b2 = _block_bf16(c2, sb, 2)
+            b3 = _block_bf16(c3, sb, 3)
+            b4 = _block_bf16(c4, sb, 4)
+            b5 = _block_bf16(c5, sb, 5)
+            b6 = _block_bf16(c6, sb, 6)
+            b7 = rope
+        if CAT:
+            k_smem.store(_cat8(b0, b1, b2, b3, b4, b5, b6, gl.convert_layout(b7, L_CODE)))
+        else:
+            k_smem.slice(0, QB, dim=1).store(b0)
+            k_smem.slice(QB, QB, dim=1).store(b1)
+            k_smem.slice(2 * QB, QB, dim=1).store(b2)
+            k_smem.slice(3 * QB, QB, dim=1).store(b3)
+            k_smem.slice(4 * QB, QB, dim=1).store(b4)
+            k_smem.slice(5 * QB, QB, dim=1).store(b5)
+            k_smem.slice(6 * QB, QB, dim=1).store(b6)
+            k_smem.slice(NOPE_, QB, dim=1).store(b7)
+        if F16:
             # E and validity cross to the MMA rows in one conversion (E < 2**9)
             e_ok = gl.convert_layout(gl.where(ok_t, e_key, -1), gl.SliceLayout(1, L_MMA))
             ok_s = e_ok >= 0
-            _block_to_smem_f16(c0, lo, e_key, 0, k_smem, QB)
-            _block_to_smem_f16(c1, lo, e_key, 1, k_smem, QB)
-            _block_to_smem_f16(c2, lo, e_key, 2, k_smem, QB)
-            _block_to_smem_f16(c3, lo, e_key, 3, k_smem, QB)
-            _block_to_smem_f16(c4, hi, e_key, 4, k_smem, QB)
-            _block_to_smem_f16(c5, hi, e_key, 5, k_smem, QB)
-            _block_to_smem_f16(c6, hi, e_key, 6, k_smem, QB)
-        else:
-            _block_to_smem(c0, sb, 0, k_smem, QB, L_CODE)
-            _block_to_smem(c1, sb, 1, k_smem, QB, L_CODE)
-            _block_to_smem(c2, sb, 2, k_smem, QB, L_CODE)
-            _block_to_smem(c3, sb, 3, k_smem, QB, L_CODE)
-            _block_to_smem(c4, sb, 4, k_smem, QB, L_CODE)
-            _block_to_smem(c5, sb, 5, k_smem, QB, L_CODE)
-            _block_to_smem(c6, sb, 6, k_smem, QB, L_CODE)
-            k_smem.slice(NOPE_, QB, dim=1).store(rope)
         fence_async_shared()
         gl.thread_barrier()
         s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)
@@ -288,7 +324,8 @@ def _sparse_mla_wgmma_kernel(
     A_SLOTS: gl.constexpr, A_HAS_LENS: gl.constexpr, HAS_B: gl.constexpr,
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr, HAS_SINK: gl.constexpr,
     DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    HP: gl.constexpr, ASYNC_PV: gl.constexpr, F16: gl.constexpr,
+    HP: gl.constexpr, ASYNC_PV: gl.constexpr, F16: gl.constexpr, CAT: gl.constexpr,
+    ROPE_FIRST: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = 64
     D: gl.constexpr = 512
@@ -348,7 +385,7 @@ def _sparse_mla_wgmma_kernel(
     acc, m_i, l_i, r_i = _attend_source(
         acc, m_i, l_i, r_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len,
         a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB,
-        NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, F16,
+        NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, F16, CAT, ROPE_FIRST,
     )  # fmt: skip
     if HAS_B:
         b_len = b_width
@@ -357,7 +394,7 @@ def _sparse_mla_wgmma_kernel(
         acc, m_i, l_i, r_i = _attend_source(
             acc, m_i, l_i, r_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
             b_len, b_row_stride, b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN,
-            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, F16,
+            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, F16, CAT, ROPE_FIRST,
         )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453
