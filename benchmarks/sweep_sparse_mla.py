@@ -51,19 +51,13 @@ WG = {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1}
 VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
     "small": [
         ("old-default", OLD_SMALL),
-        # the Gluon wgmma kernel (Hopper): keys on M, one shared 16-bit tile per 64 keys,
-        # P V asynchronous; bf16 tiles (scales applied per code) against f16 tiles (F16:
-        # codes times 2**(byte - E), the key's 2**E on its S row and P); CAT: the tile
-        # stored at once (no barriers between its eight column blocks); ROPE_FIRST: the
-        # rope and scales requested before the codes
-        ("wgmma-bf16-r168", {**WG, "MAXNREG_H8": 168}),
-        ("wgmma-bf16-cat", {**WG, "CAT": 1}),
-        ("wgmma-bf16-cat-r168", {**WG, "CAT": 1, "MAXNREG_H8": 168}),
-        ("wgmma-f16-r168", {**WG, "F16": 1, "MAXNREG_H8": 168}),
-        ("wgmma-f16-cat", {**WG, "F16": 1, "CAT": 1}),
-        ("wgmma-f16-cat-r168", {**WG, "F16": 1, "CAT": 1, "MAXNREG_H8": 168}),
-        ("wgmma-f16-cat-rf", {**WG, "F16": 1, "CAT": 1, "ROPE_FIRST": 1}),
-        ("wgmma-f16-cat-rf-r168", {**WG, "F16": 1, "CAT": 1, "ROPE_FIRST": 1, "MAXNREG_H8": 168}),
+        # the Gluon wgmma kernel (Hopper): keys on M, one shared bf16 tile per 64 keys
+        ("wgmma", {**OLD_SMALL, "KERNEL": 2}),
+        ("wgmma-r168", {**OLD_SMALL, "KERNEL": 2, "MAXNREG": 168}),
+        ("wgmma-async", WG),
+        ("wgmma-async-r168", {**WG, "MAXNREG": 168}),
+        # the default tiles (r168 at up to 8 heads only)
+        ("wgmma-default", {**WG, "MAXNREG_H8": 168}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

@@ -78,13 +78,9 @@ def _load_tile(
     NOPE_: gl.constexpr,
     L_CODE: gl.constexpr,
     L_ROPE: gl.constexpr,
-    ROPE_FIRST: gl.constexpr,
 ):
     """The tile's raw bytes: seven ``[BN, 64]`` uint8 code blocks, the ``[BN]`` int64
-    words of scale bytes and the ``[BN, 64]`` bf16 rope values (requested first with
-    ``ROPE_FIRST``, for the f16 tile's key exponents)."""
-    if ROPE_FIRST:
-        sb, rope = _load_rope(ok, data, scales, QB, NOPE_, L_ROPE)
+    words of scale bytes and the ``[BN, 64]`` bf16 rope values."""
     e = gl.arange(0, QB, layout=gl.SliceLayout(0, L_CODE))
     m2 = gl.expand_dims(ok, 1)
     p2 = gl.expand_dims(data, 1) + gl.expand_dims(e, 0)
@@ -95,13 +91,6 @@ def _load_tile(
     c4 = gl.load(p2 + 4 * QB, mask=m2, other=0)
     c5 = gl.load(p2 + 5 * QB, mask=m2, other=0)
     c6 = gl.load(p2 + 6 * QB, mask=m2, other=0)
-    if not ROPE_FIRST:
-        sb, rope = _load_rope(ok, data, scales, QB, NOPE_, L_ROPE)
-    return c0, c1, c2, c3, c4, c5, c6, sb, rope
-
-
-@gluon.jit
-def _load_rope(ok, data, scales, QB: gl.constexpr, NOPE_: gl.constexpr, L_ROPE: gl.constexpr):
     # the seven scale bytes as one 8-byte word (byte 7 is padding)
     sb = gl.load(scales.to(gl.pointer_type(gl.int64)), mask=ok, other=0)
     ok_r = gl.convert_layout(ok, gl.SliceLayout(1, L_ROPE))
@@ -111,67 +100,18 @@ def _load_rope(ok, data, scales, QB: gl.constexpr, NOPE_: gl.constexpr, L_ROPE: 
     rope = gl.load(
         gl.expand_dims(rope_ptr, 1) + gl.expand_dims(er, 0), mask=gl.expand_dims(ok_r, 1), other=0.0
     )
-    return sb, rope
+    return c0, c1, c2, c3, c4, c5, c6, sb, rope
 
 
 @gluon.jit
-def _block_bf16(codes, sb, b: gl.constexpr):
-    """Dequantised code block ``b`` (``code * 2**(byte - 127)``, exact in bf16), for
+def _block_to_smem(codes, sb, b: gl.constexpr, k_smem, QB: gl.constexpr, L_CODE: gl.constexpr):
+    """Dequantise code block ``b`` (``code * 2**(byte - 127)``, exact in bf16) into
     columns ``64 b .. 64 b + 64`` of the shared tile; ``sb`` holds the key's scale
     bytes as one int64 (byte ``b`` = bits ``8 b .. 8 b + 8``)."""
     byte = ((sb >> (8 * b)) & 0xFF).to(gl.int32)
     scale = (byte << 23).to(gl.float32, bitcast=True)
     v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 1)
-    return v.to(gl.bfloat16)
-
-
-@gluon.jit
-def _scale_words(sb):
-    """The key's seven scale bytes as two int32 words (bytes 0-3 and 4-7)."""
-    return sb.to(gl.int32), (sb >> 32).to(gl.int32)
-
-
-@gluon.jit
-def _key_exponents(lo, hi, rope):
-    """Each key's biased exponent ``E`` for the f16 tile (``F16``): the largest of its
-    seven scale bytes and its rope amax's exponent less 8, so that every value of
-    the key times ``2**(127 - E)`` is below ``2**9`` (it fits f16 with room).  The
-    rope tile shares the codes' row layout, so ``E`` needs no layout conversion."""
-    g = gl.maximum(gl.maximum(lo & 0xFF, (lo >> 8) & 0xFF), (lo >> 16) & 0xFF)
-    g = gl.maximum(gl.maximum(g, (lo >> 24) & 0xFF), hi & 0xFF)
-    g = gl.maximum(gl.maximum(g, (hi >> 8) & 0xFF), (hi >> 16) & 0xFF)
-    amax = gl.max(gl.abs(rope.to(gl.float32)), axis=1)
-    return gl.maximum(g, ((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 8)
-
-
-@gluon.jit
-def _pow2(e):
-    """``2**(e - 127)`` as float32 built from its bits (0 below the normal range)."""
-    return (gl.minimum(gl.maximum(e, 0), 254) << 23).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _cat8(b0, b1, b2, b3, b4, b5, b6, b7):
-    """Eight ``[BN, 64]`` blocks side by side as one ``[BN, 512]`` tensor, no data
-    movement (each thread keeps its registers): one store of the whole tile, where
-    eight stores to column slices of one buffer are separated by barriers (the
-    barrier pass sees every slice as the whole buffer)."""
-    x = gl.join(
-        gl.join(gl.join(b0, b1), gl.join(b2, b3)), gl.join(gl.join(b4, b5), gl.join(b6, b7))
-    )
-    x = gl.permute(x, (0, 4, 3, 2, 1))  # [BN, j3, j2, j1, 64]: block 4 j3 + 2 j2 + j1
-    return gl.reshape(x, [x.shape[0], 512])
-
-
-@gluon.jit
-def _block_f16(codes, word, e_key, b: gl.constexpr):
-    """Code block ``b`` as f16 ``code * 2**(byte - E)`` (``E`` the key's exponent, so
-    the factor is at most 1): one e4m3-to-f16 conversion and one f16 multiply per
-    code, against three float32 steps for bf16 (scale on the key's S row and P).
-    ``word`` holds the block's scale byte at bits ``8 (b % 4)``."""
-    byte = (word >> (8 * (b % 4))) & 0xFF
-    factor = _pow2(byte - e_key + 127).to(gl.float16)
-    return codes.to(gl.float8e4nv, bitcast=True).to(gl.float16) * gl.expand_dims(factor, 1)
+    k_smem.slice(b * QB, QB, dim=1).store(v.to(gl.bfloat16))
 
 
 @gluon.jit
@@ -179,7 +119,6 @@ def _attend_source(
     acc,
     m_i,
     l_i,
-    r_i,
     q_all,
     k_all,
     p_all,
@@ -200,9 +139,6 @@ def _attend_source(
     L_ROPE: gl.constexpr,
     L_MMA: gl.constexpr,
     ASYNC_PV: gl.constexpr,
-    F16: gl.constexpr,
-    CAT: gl.constexpr,
-    ROPE_FIRST: gl.constexpr,
 ):
     """Online softmax over one key source (tiles of ``BN`` keys).  With ``ASYNC_PV`` the
     ``P V`` product of a tile runs while the next tile's bytes are loaded."""
@@ -223,11 +159,9 @@ def _attend_source(
         q_smem = q_all.index(z)
         p_smem = p_all.index(z)
         c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(
-            ok, data, scales, QB, NOPE_, L_CODE, L_ROPE, ROPE_FIRST
+            ok, data, scales, QB, NOPE_, L_CODE, L_ROPE
         )
-        ok_t = ok  # this tile's validity (``ok`` moves on to the next tile)
-        if not F16:
-            ok_s = gl.convert_layout(ok, gl.SliceLayout(1, L_MMA))
+        ok_s = gl.convert_layout(ok, gl.SliceLayout(1, L_MMA))
         # the next tile's index entries, the first of its two dependent loads, before this
         # tile's math (measured the same as after it: run 7)
         ok, data, scales = _gather(
@@ -237,79 +171,33 @@ def _attend_source(
         if ASYNC_PV:  # the previous tile's P V must be done before its tile is overwritten
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp is done reading the previous tile
-        if F16:
-            # the rope first, so its float32 copy dies before the codes are expanded
-            lo, hi = _scale_words(sb)
-            e_key = _key_exponents(lo, hi, rope)
-            # rope * 2**(127 - E): below 2**9 by the choice of E (the factor is clamped to
-            # float32's normal range, reached only by all-zero keys)
-            f_r = _pow2(gl.maximum(254 - e_key, 1))
-            b7 = (rope.to(gl.float32) * gl.expand_dims(f_r, 1)).to(gl.float16)
-            b0 = _block_f16(c0, lo, e_key, 0)
-            b1 = _block_f16(c1, lo, e_key, 1)
-            b2 = _block_f16(c2, lo, e_key, 2)
-            b3 = _block_f16(c3, lo, e_key, 3)
-            b4 = _block_f16(c4, hi, e_key, 4)
-            b5 = _block_f16(c5, hi, e_key, 5)
-            b6 = _block_f16(c6, hi, e_key, 6)
-        else:
-            b0 = _block_bf16(c0, sb, 0)
-            b1 = _block_bf16(c1, sb, 1)
-            b2 = _block_bf16(c2, sb, 2)
-            b3 = _block_bf16(c3, sb, 3)
-            b4 = _block_bf16(c4, sb, 4)
-            b5 = _block_bf16(c5, sb, 5)
-            b6 = _block_bf16(c6, sb, 6)
-            b7 = rope
-        if CAT:
-            k_smem.store(_cat8(b0, b1, b2, b3, b4, b5, b6, gl.convert_layout(b7, L_CODE)))
-        else:
-            k_smem.slice(0, QB, dim=1).store(b0)
-            k_smem.slice(QB, QB, dim=1).store(b1)
-            k_smem.slice(2 * QB, QB, dim=1).store(b2)
-            k_smem.slice(3 * QB, QB, dim=1).store(b3)
-            k_smem.slice(4 * QB, QB, dim=1).store(b4)
-            k_smem.slice(5 * QB, QB, dim=1).store(b5)
-            k_smem.slice(6 * QB, QB, dim=1).store(b6)
-            k_smem.slice(NOPE_, QB, dim=1).store(b7)
-        if F16:
-            # E and validity cross to the MMA rows in one conversion (E < 2**9)
-            e_ok = gl.convert_layout(gl.where(ok_t, e_key, -1), gl.SliceLayout(1, L_MMA))
-            ok_s = e_ok >= 0
+        _block_to_smem(c0, sb, 0, k_smem, QB, L_CODE)
+        _block_to_smem(c1, sb, 1, k_smem, QB, L_CODE)
+        _block_to_smem(c2, sb, 2, k_smem, QB, L_CODE)
+        _block_to_smem(c3, sb, 3, k_smem, QB, L_CODE)
+        _block_to_smem(c4, sb, 4, k_smem, QB, L_CODE)
+        _block_to_smem(c5, sb, 5, k_smem, QB, L_CODE)
+        _block_to_smem(c6, sb, 6, k_smem, QB, L_CODE)
+        k_smem.slice(NOPE_, QB, dim=1).store(rope)
         fence_async_shared()
         gl.thread_barrier()
         s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)
         s = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s, use_acc=False)
-        if F16:
-            # the key's row of S times 2**(E - 127); qk_scale carries q's own factor
-            row = _pow2(e_ok) * qk_scale
-            s = gl.where(gl.expand_dims(ok_s, 1), s * gl.expand_dims(row, 1), float("-inf"))
-        else:
-            s = gl.where(gl.expand_dims(ok_s, 1), s * qk_scale, float("-inf"))
+        s = gl.where(gl.expand_dims(ok_s, 1), s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - gl.expand_dims(m_use, 0))
         l_i = l_i * alpha + gl.sum(p, axis=0)
-        if F16:
-            # V's rows in f16 are the keys' values times 2**(127 - E): P's row of a key
-            # takes 2**(E - R) with R the largest E so far (at most 1, so P fits f16)
-            # and the accumulator is held in units of 2**(R - 127)
-            r_new = gl.maximum(r_i, gl.max(e_ok, axis=0))
-            acc = acc * gl.expand_dims(alpha * _pow2(r_i - r_new + 127), 0)
-            pv = p * gl.expand_dims(_pow2(e_ok - r_new + 127), 1)
-            p_smem.store(gl.permute(pv.to(gl.float16), (1, 0)))
-            r_i = r_new
-        else:
-            acc = acc * gl.expand_dims(alpha, 0)
-            p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
+        acc = acc * gl.expand_dims(alpha, 0)
+        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
         fence_async_shared()
         gl.thread_barrier()
         acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=ASYNC_PV)
         m_i = m_new
     if ASYNC_PV:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return acc, m_i, l_i, r_i
+    return acc, m_i, l_i
 
 
 @gluon.jit(do_not_specialize=RUNTIME_ARGS)
@@ -324,8 +212,7 @@ def _sparse_mla_wgmma_kernel(
     A_SLOTS: gl.constexpr, A_HAS_LENS: gl.constexpr, HAS_B: gl.constexpr,
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr, HAS_SINK: gl.constexpr,
     DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    HP: gl.constexpr, ASYNC_PV: gl.constexpr, F16: gl.constexpr, CAT: gl.constexpr,
-    ROPE_FIRST: gl.constexpr,
+    HP: gl.constexpr, ASYNC_PV: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = 64
     D: gl.constexpr = 512
@@ -333,22 +220,20 @@ def _sparse_mla_wgmma_kernel(
     NOPE_: gl.constexpr = 448
     # 16-byte rows of FP8 codes and bf16 values, 4 threads per 64-column block
     L_CODE: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    # (F16: the rope takes the codes' layout, 32 bytes a thread, for the per-key exponent)
-    L_ROPE: gl.constexpr = L_CODE if F16 else gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     L_OUT: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [4, 1], [0, 1])
     L_MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16]
     )
-    DT: gl.constexpr = gl.float16 if F16 else gl.bfloat16  # the tiles' element type
     k_smem = gl.allocate_shared_memory(
-        DT, [1, BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], DT)
+        gl.bfloat16, [1, BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
     )
     q_smem = gl.allocate_shared_memory(
-        DT, [1, HP, D], gl.NVMMASharedLayout.get_default_for([HP, D], DT)
+        gl.bfloat16, [1, HP, D], gl.NVMMASharedLayout.get_default_for([HP, D], gl.bfloat16)
     )
     p_smem = gl.allocate_shared_memory(
-        DT, [1, HP, BN], gl.NVMMASharedLayout.get_default_for([HP, BN], DT)
+        gl.bfloat16, [1, HP, BN], gl.NVMMASharedLayout.get_default_for([HP, BN], gl.bfloat16)
     )
 
     t = gl.program_id(0).to(gl.int64)
@@ -362,39 +247,28 @@ def _sparse_mla_wgmma_kernel(
         mask=gl.expand_dims(hq < num_heads, 1),
         other=0.0,
     )
-    if F16:
-        # q * 2**-kq in f16 with its amax in [2**14, 2**15): exact for bf16 values down to
-        # 2**-28 of the amax; S takes the 2**kq back through qk_scale
-        qf = q.to(gl.float32)
-        amax = gl.max(gl.max(gl.abs(qf), axis=1), axis=0)
-        kq = gl.maximum(((amax.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 141, -120)
-        q_smem.index(0).store((qf * _pow2(127 - kq)).to(gl.float16))
-        qk_scale = qk_scale * _pow2(kq + 127)
-    else:
-        q_smem.index(0).store(q)
+    q_smem.index(0).store(q)
 
     m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))
-    # F16 only: the largest key exponent so far, one scalar for all heads
-    r_i = gl.max(gl.full([HP], -1, gl.int32, layout=gl.SliceLayout(0, L_MMA)), axis=0)
     acc = gl.zeros([D, HP], gl.float32, layout=L_MMA)
 
     a_len = a_width
     if A_HAS_LENS:
         a_len = gl.minimum(gl.load(a_len_ptr + t), a_width)
-    acc, m_i, l_i, r_i = _attend_source(
-        acc, m_i, l_i, r_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len,
+    acc, m_i, l_i = _attend_source(
+        acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len,
         a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB,
-        NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, F16, CAT, ROPE_FIRST,
+        NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV,
     )  # fmt: skip
     if HAS_B:
         b_len = b_width
         if B_HAS_LENS:
             b_len = gl.minimum(gl.load(b_len_ptr + t), b_width)
-        acc, m_i, l_i, r_i = _attend_source(
-            acc, m_i, l_i, r_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
+        acc, m_i, l_i = _attend_source(
+            acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
             b_len, b_row_stride, b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN,
-            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, F16, CAT, ROPE_FIRST,
+            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV,
         )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453
@@ -404,8 +278,6 @@ def _sparse_mla_wgmma_kernel(
     l_safe = gl.where(has_key, l_i, 1.0)
     lse2 = gl.where(has_key, m_i, 0.0) + gl.log2(l_safe)
     factor = gl.where(has_key, 1.0 / l_safe, 0.0)
-    if F16:
-        factor = factor * _pow2(r_i)
     if HAS_SINK:
         sink = gl.load(sink_ptr + hs, mask=hs < num_heads, other=float("-inf"))
         factor = factor / (1.0 + gl.exp2(sink * LOG2E - lse2))

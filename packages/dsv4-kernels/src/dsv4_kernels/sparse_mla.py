@@ -157,9 +157,6 @@ def _launch_wgmma(
             SCALE_BYTES=TOKEN_SCALE_BYTES,
             HP=hp,
             ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
-            F16=bool(tiles.get("F16", 0)),
-            CAT=bool(tiles.get("CAT", 0)),
-            ROPE_FIRST=bool(tiles.get("ROPE_FIRST", 0)),
             num_warps=4,
             **({"maxnreg": nreg} if nreg else {}),
         )
