@@ -115,6 +115,46 @@ def _block_to_smem(codes, sb, b: gl.constexpr, k_smem, QB: gl.constexpr, L_CODE:
 
 
 @gluon.jit
+def _block_bf16(codes, sb, b: gl.constexpr):
+    """Code block ``b`` dequantised to bf16 (as :func:`_block_to_smem`), in registers."""
+    byte = ((sb >> (8 * b)) & 0xFF).to(gl.int32)
+    scale = (byte << 23).to(gl.float32, bitcast=True)
+    v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 1)
+    return v.to(gl.bfloat16)
+
+
+@gluon.jit
+def _as_a_operand(v, L_A: gl.constexpr):
+    """A ``[BN, 64]`` block in the codes' register layout relabelled as wgmma's register
+    A operand, without moving data: column ``c`` of the result is column ``perm(c)`` of
+    ``v`` (:func:`_perm`), the column each thread already holds in that register.  The
+    contraction over the block's columns does not care about their order, so q's
+    columns are stored in the same permuted order."""
+    x = gl.reshape(v, [v.shape[0], 2, 2, 2, 2, 2, 2])  # [BN, p5, p4, p3, p2, p1, p0]
+    x = gl.permute(x, (0, 3, 4, 5, 1, 2, 6))  # [BN, p3, p2, p1, p5, p4, p0]
+    return gl.convert_layout(gl.reshape(x, [v.shape[0], 64]), L_A)
+
+
+@gluon.jit
+def _perm(c):
+    """The register-A column relabelling: column ``c`` of a block holds column
+    ``c0 + 2 c3 + 4 c4 + 8 c5 + 16 c1 + 32 c2`` of the cache (``ci`` the bits of ``c``)."""
+    return (c & 1) | (((c >> 3) & 7) << 1) | (((c >> 1) & 3) << 4)
+
+
+@gluon.jit
+def _qk_block(v, q_smem, b: gl.constexpr, s, prev, first: gl.constexpr, L_A: gl.constexpr):
+    """Issue ``S += K_b q_b^T`` for block ``b`` with ``K_b`` from registers (async), after
+    waiting for the block before (whose registers ``prev`` it keeps alive until then)."""
+    a = _as_a_operand(v, L_A)
+    qb = q_smem.slice(b * 64, 64, dim=1).permute((1, 0))
+    s = warpgroup_mma(a, qb, s, use_acc=not first, is_async=True)
+    if not first:
+        prev = warpgroup_mma_wait(num_outstanding=1, deps=(prev,))
+    return s, a
+
+
+@gluon.jit
 def _attend_source(
     acc,
     m_i,
@@ -139,6 +179,7 @@ def _attend_source(
     L_ROPE: gl.constexpr,
     L_MMA: gl.constexpr,
     ASYNC_PV: gl.constexpr,
+    REG_A: gl.constexpr,
 ):
     """Online softmax over one key source (tiles of ``BN`` keys).  With ``ASYNC_PV`` the
     ``P V`` product of a tile runs while the next tile's bytes are loaded."""
@@ -171,18 +212,48 @@ def _attend_source(
         if ASYNC_PV:  # the previous tile's P V must be done before its tile is overwritten
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp is done reading the previous tile
-        _block_to_smem(c0, sb, 0, k_smem, QB, L_CODE)
-        _block_to_smem(c1, sb, 1, k_smem, QB, L_CODE)
-        _block_to_smem(c2, sb, 2, k_smem, QB, L_CODE)
-        _block_to_smem(c3, sb, 3, k_smem, QB, L_CODE)
-        _block_to_smem(c4, sb, 4, k_smem, QB, L_CODE)
-        _block_to_smem(c5, sb, 5, k_smem, QB, L_CODE)
-        _block_to_smem(c6, sb, 6, k_smem, QB, L_CODE)
-        k_smem.slice(NOPE_, QB, dim=1).store(rope)
-        fence_async_shared()
-        gl.thread_barrier()
-        s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)
-        s = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s, use_acc=False)
+        if REG_A:
+            # each block to shared memory (for P V) and, from the same registers, into
+            # S = K q^T as wgmma's register operand: S reads no shared memory
+            L_A: gl.constexpr = gl.DotOperandLayout(0, L_MMA, 2)
+            s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)
+            v = _block_bf16(c0, sb, 0)
+            k_smem.slice(0, QB, dim=1).store(v)
+            s, a = _qk_block(v, q_smem, 0, s, v, True, L_A)
+            v = _block_bf16(c1, sb, 1)
+            k_smem.slice(QB, QB, dim=1).store(v)
+            s, a = _qk_block(v, q_smem, 1, s, a, False, L_A)
+            v = _block_bf16(c2, sb, 2)
+            k_smem.slice(2 * QB, QB, dim=1).store(v)
+            s, a = _qk_block(v, q_smem, 2, s, a, False, L_A)
+            v = _block_bf16(c3, sb, 3)
+            k_smem.slice(3 * QB, QB, dim=1).store(v)
+            s, a = _qk_block(v, q_smem, 3, s, a, False, L_A)
+            v = _block_bf16(c4, sb, 4)
+            k_smem.slice(4 * QB, QB, dim=1).store(v)
+            s, a = _qk_block(v, q_smem, 4, s, a, False, L_A)
+            v = _block_bf16(c5, sb, 5)
+            k_smem.slice(5 * QB, QB, dim=1).store(v)
+            s, a = _qk_block(v, q_smem, 5, s, a, False, L_A)
+            v = _block_bf16(c6, sb, 6)
+            k_smem.slice(6 * QB, QB, dim=1).store(v)
+            s, a = _qk_block(v, q_smem, 6, s, a, False, L_A)
+            k_smem.slice(NOPE_, QB, dim=1).store(rope)
+            s, a = _qk_block(rope, q_smem, 7, s, a, False, L_A)
+            s, a = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
+        else:
+            _block_to_smem(c0, sb, 0, k_smem, QB, L_CODE)
+            _block_to_smem(c1, sb, 1, k_smem, QB, L_CODE)
+            _block_to_smem(c2, sb, 2, k_smem, QB, L_CODE)
+            _block_to_smem(c3, sb, 3, k_smem, QB, L_CODE)
+            _block_to_smem(c4, sb, 4, k_smem, QB, L_CODE)
+            _block_to_smem(c5, sb, 5, k_smem, QB, L_CODE)
+            _block_to_smem(c6, sb, 6, k_smem, QB, L_CODE)
+            k_smem.slice(NOPE_, QB, dim=1).store(rope)
+            fence_async_shared()
+            gl.thread_barrier()
+            s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)
+            s = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s, use_acc=False)
         s = gl.where(gl.expand_dims(ok_s, 1), s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -212,15 +283,27 @@ def _sparse_mla_wgmma_kernel(
     A_SLOTS: gl.constexpr, A_HAS_LENS: gl.constexpr, HAS_B: gl.constexpr,
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr, HAS_SINK: gl.constexpr,
     DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    HP: gl.constexpr, ASYNC_PV: gl.constexpr,
+    HP: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = 64
     D: gl.constexpr = 512
     QB: gl.constexpr = 64
     NOPE_: gl.constexpr = 448
     # 16-byte rows of FP8 codes and bf16 values, 4 threads per 64-column block
-    L_CODE: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    L_ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    # (REG_A: rows as wgmma's accumulator rows, so the codes' registers relabel as its A
+    # operand; the rope takes the same layout)
+    L_CODE: gl.constexpr = (
+        gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+            lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]],
+            block_bases=[],
+            shape=[64, 64],
+        )
+        if REG_A
+        else gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    )
+    L_ROPE: gl.constexpr = L_CODE if REG_A else gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     L_OUT: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [4, 1], [0, 1])
     L_MMA: gl.constexpr = gl.NVMMADistributedLayout(
@@ -239,6 +322,8 @@ def _sparse_mla_wgmma_kernel(
     t = gl.program_id(0).to(gl.int64)
     hq = gl.arange(0, HP, layout=gl.SliceLayout(1, L_Q))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, L_Q))
+    if REG_A:  # q's columns in the blocks' relabelled order (:func:`_perm`)
+        dq = (dq & ~63) | _perm(dq & 63)
     q = gl.load(
         q_ptr
         + t * q_stride_t
@@ -259,7 +344,7 @@ def _sparse_mla_wgmma_kernel(
     acc, m_i, l_i = _attend_source(
         acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len,
         a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB,
-        NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV,
+        NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A,
     )  # fmt: skip
     if HAS_B:
         b_len = b_width
@@ -268,7 +353,7 @@ def _sparse_mla_wgmma_kernel(
         acc, m_i, l_i = _attend_source(
             acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
             b_len, b_row_stride, b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN,
-            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV,
+            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A,
         )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453

@@ -157,6 +157,7 @@ def _launch_wgmma(
             SCALE_BYTES=TOKEN_SCALE_BYTES,
             HP=hp,
             ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
+            REG_A=bool(tiles.get("REG_A", 0)),
             num_warps=4,
             **({"maxnreg": nreg} if nreg else {}),
         )
