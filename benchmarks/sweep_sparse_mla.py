@@ -56,8 +56,10 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("wgmma-r168", {**OLD_SMALL, "KERNEL": 2, "MAXNREG": 168}),
         ("wgmma-async", WG),
         ("wgmma-async-r168", {**WG, "MAXNREG": 168}),
-        # the default tiles (r168 at up to 8 heads only)
-        ("wgmma-default", {**WG, "MAXNREG_H8": 168}),
+        ("wgmma-async-r168h8", {**WG, "MAXNREG_H8": 168}),
+        # S = K q^T with K from registers (REG_A): the tile is read from shared memory once
+        ("wgmma-rega", {**WG, "REG_A": 1}),
+        ("wgmma-rega-r168h8", {**WG, "REG_A": 1, "MAXNREG_H8": 168}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

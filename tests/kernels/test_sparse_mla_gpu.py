@@ -193,8 +193,13 @@ def test_cuda_graph_replay(gpu: torch.device) -> None:
 @pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize(
     "variant",
-    [dict(ASYNC_PV=0), dict(ASYNC_PV=1), dict(ASYNC_PV=1, MAXNREG=168)],
-    ids=["sync-pv", "async-pv", "async-pv-r168"],
+    [
+        dict(ASYNC_PV=0),
+        dict(ASYNC_PV=1, MAXNREG=168),
+        dict(ASYNC_PV=1, REG_A=1),
+        dict(ASYNC_PV=1, REG_A=1, MAXNREG=168),
+    ],
+    ids=["sync-pv", "async-pv-r168", "reg-a", "reg-a-r168"],
 )
 def test_wgmma_kernel_matches_reference_and_triton(
     heads: int, layer: str, fresh: bool, variant: dict, gpu: torch.device,
@@ -210,7 +215,9 @@ def test_wgmma_kernel_matches_reference_and_triton(
     seed = fresh_seed()
     inp = cs.make_inputs(_shape(layer, heads, topk=topk, fresh=fresh), gpu, seed)
     small = {
-        k: v for k, v in sm.TILES["small"].items() if k not in ("KERNEL", "ASYNC_PV", "MAXNREG_H8")
+        k: v
+        for k, v in sm.TILES["small"].items()
+        if k not in ("KERNEL", "ASYNC_PV", "MAXNREG_H8", "REG_A")
     }
     monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": {**small, "KERNEL": 0}})
     t_out, t_lse = _outputs(inp)

@@ -99,6 +99,7 @@ TILES: dict[str, dict[str, int]] = {
         KERNEL=2,
         ASYNC_PV=1,
         MAXNREG_H8=168,
+        REG_A=1,
     ),
     "large": dict(
         MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=1, PREFETCH=0, BF16_DEQUANT=1
