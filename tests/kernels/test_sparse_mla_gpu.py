@@ -292,15 +292,16 @@ def _count_wgmma_launches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 
 @pytest.mark.parametrize("heads", [8, 16])
 @pytest.mark.parametrize("q_exp", [-30, 0, 20])
+@pytest.mark.parametrize("reg_a", [0, 1])
 def test_wgmma_kernel_over_wide_value_ranges(
-    heads: int, q_exp: int, gpu: torch.device, monkeypatch: pytest.MonkeyPatch
+    heads: int, q_exp: int, reg_a: int, gpu: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Keys whose 64-value blocks (rope included) span ``2**-16 .. 2**16`` of each other,
     keys ``2**-20 .. 2**20`` apart, queries scaled by ``2**q_exp``: the wgmma kernel's
-    default tiles against the float64 oracle.  The output's tolerance is 2% of
-    ``sum_k p_k |V_k|`` per element (with the sink's factor), the scale of bf16
-    attention's error (P is rounded to 16 bits); where the keys are of one magnitude
-    that is the CPU suite's tolerance."""
+    default tiles (K from shared memory or registers in S) against the float64 oracle.
+    The output's tolerance is 2% of ``sum_k p_k |V_k|`` per element (with the sink's
+    factor), the scale of bf16 attention's error (P is rounded to 16 bits); where the
+    keys are of one magnitude that is the CPU suite's tolerance."""
     from tests.kernels import test_sparse_mla as cpu
 
     from dsv4_kernels import sparse_mla as sm
@@ -308,6 +309,7 @@ def test_wgmma_kernel_over_wide_value_ranges(
     if torch.cuda.get_device_capability(gpu)[0] != 9:
         pytest.skip("the wgmma kernel is for compute capability 9.x (Hopper)")
     assert sm.TILES["small"]["KERNEL"] == 2, "the default small tiles name the wgmma kernel"
+    monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": {**sm.TILES["small"], "REG_A": reg_a}})
     launched = _count_wgmma_launches(monkeypatch)
     seed = fresh_seed()
     g = torch.Generator(device=gpu).manual_seed(seed)

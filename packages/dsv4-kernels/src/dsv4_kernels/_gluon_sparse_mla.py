@@ -333,6 +333,8 @@ def _sparse_mla_wgmma_kernel(
         other=0.0,
     )
     q_smem.index(0).store(q)
+    fence_async_shared()  # q is read by wgmma (the async proxy) from the first tile on
+    gl.thread_barrier()
 
     m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))
