@@ -51,15 +51,13 @@ WG = {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1}
 VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
     "small": [
         ("old-default", OLD_SMALL),
-        # the Gluon wgmma kernel (Hopper): keys on M, one shared bf16 tile per 64 keys
-        ("wgmma", {**OLD_SMALL, "KERNEL": 2}),
-        ("wgmma-r168", {**OLD_SMALL, "KERNEL": 2, "MAXNREG": 168}),
-        ("wgmma-async", WG),
-        ("wgmma-async-r168", {**WG, "MAXNREG": 168}),
-        ("wgmma-async-r168h8", {**WG, "MAXNREG_H8": 168}),
-        # S = K q^T with K from registers (REG_A): the tile is read from shared memory once
-        ("wgmma-rega", {**WG, "REG_A": 1}),
-        ("wgmma-rega-r168h8", {**WG, "REG_A": 1, "MAXNREG_H8": 168}),
+        # the Gluon wgmma kernel (Hopper): keys on M, one shared bf16 tile per 64 keys, P V
+        # asynchronous, 168 registers at up to 8 heads; S = K q^T with K from shared memory
+        # or (REG_A) from registers; q and out in 16-byte accesses (IO_VEC, where aligned)
+        ("wgmma-smem-a", {**WG, "MAXNREG_H8": 168, "REG_A": 0}),
+        ("wgmma-smem-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "IO_VEC": 0}),
+        ("wgmma-reg-a", {**WG, "MAXNREG_H8": 168, "REG_A": 1}),
+        ("wgmma-reg-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "IO_VEC": 0}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

@@ -29,9 +29,12 @@ def spec(
     sources: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     scale: float,
     sink: torch.Tensor | None,
+    abs_values: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token oracle; sources are (values [slots, 512] float32, indices [T, K], lens or None).
-    Computed on the CPU in float64 whatever device the inputs are on."""
+    Computed on the CPU in float64 whatever device the inputs are on.  ``abs_values``
+    returns ``sum_k p_k |V_k|`` (the same weights) instead of the output: the scale of
+    the rounding error of attention in 16-bit arithmetic."""
     q = q.cpu()
     sources = [(v.cpu(), i.cpu(), None if n is None else n.cpu()) for v, i, n in sources]
     sink = None if sink is None else sink.cpu()
@@ -51,7 +54,7 @@ def spec(
         k = torch.stack(rows).double()
         s = scale * (q[t].double() @ k.T)  # [H, n]
         lse[t] = torch.logsumexp(s, dim=1)
-        o = torch.softmax(s, dim=1) @ k
+        o = torch.softmax(s, dim=1) @ (k.abs() if abs_values else k)
         if sink is not None:
             o = o / (1.0 + torch.exp(sink.double() - lse[t])).unsqueeze(1)
         out[t] = o

@@ -18,6 +18,8 @@ import torch
 from dsv4_kernels import sparse_mla as sm
 
 WGMMA = {**sm.TILES["small"], "KERNEL": 2}
+# the launch arguments' q and out (the fake kernel reads nothing else)
+_ARGS = (torch.empty(4, 8, 512, dtype=torch.bfloat16), torch.empty(4, 8, 512, dtype=torch.bfloat16))
 
 
 class _CudaLike:
@@ -108,7 +110,7 @@ def test_a_kernel_that_does_not_build_falls_back_once_with_a_warning(
 ) -> None:
     kernel = _fake_gluon(monkeypatch, compiled=0)
     with pytest.warns(RuntimeWarning, match="the Triton kernel runs instead"):
-        assert not sm._launch_wgmma(4, 8, (), {}, WGMMA)
+        assert not sm._launch_wgmma(4, 8, _ARGS, {}, WGMMA)
     assert kernel.launches == 1
     assert "PassManager::run failed" in sm._WGMMA_BROKEN[0]
     assert not sm.wgmma_available()  # later calls go straight to the Triton kernel
@@ -123,5 +125,19 @@ def test_a_kernel_that_does_not_build_falls_back_once_with_a_warning(
 def test_an_error_after_the_kernel_has_built_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_gluon(monkeypatch, compiled=1)
     with pytest.raises(RuntimeError, match="PassManager"):
-        sm._launch_wgmma(4, 8, (), {}, WGMMA)
+        sm._launch_wgmma(4, 8, _ARGS, {}, WGMMA)
     assert sm._WGMMA_BROKEN == []
+
+
+def test_whole_vectors_of_q_and_out() -> None:
+    """16-byte accesses to q and out only where every token and head row starts on a
+    16-byte boundary."""
+    x = torch.empty(4, 8, 512, dtype=torch.bfloat16)
+    assert sm._whole_vectors(x, x[1:], x[:, 2:])
+    wide = torch.empty(4, 8, 520, dtype=torch.bfloat16)
+    assert sm._whole_vectors(wide[..., :512])  # head stride 520: whole vectors
+    odd = torch.empty(4, 8, 517, dtype=torch.bfloat16)
+    assert not sm._whole_vectors(odd[..., :512])  # head stride 517
+    assert not sm._whole_vectors(x, wide[..., 1:513])  # base 2 bytes past a vector
+    one_head = torch.empty(4, 1, 512, dtype=torch.bfloat16).expand(4, 1, 512)
+    assert sm._whole_vectors(one_head)

@@ -126,20 +126,14 @@ def _block_bf16(codes, sb, b: gl.constexpr):
 @gluon.jit
 def _as_a_operand(v, L_A: gl.constexpr):
     """A ``[BN, 64]`` block in the codes' register layout relabelled as wgmma's register
-    A operand, without moving data: column ``c`` of the result is column ``perm(c)`` of
-    ``v`` (:func:`_perm`), the column each thread already holds in that register.  The
-    contraction over the block's columns does not care about their order, so q's
-    columns are stored in the same permuted order."""
+    A operand, without moving data: column ``c`` of the result is column
+    ``c0 + 2 c3 + 4 c4 + 8 c5 + 16 c1 + 32 c2`` of ``v`` (``ci`` the bits of ``c``), the
+    column each thread already holds in that register.  The contraction over the
+    block's columns does not care about their order, so q's columns are stored in the
+    same order (the same reshapes, in the kernel's prologue)."""
     x = gl.reshape(v, [v.shape[0], 2, 2, 2, 2, 2, 2])  # [BN, p5, p4, p3, p2, p1, p0]
     x = gl.permute(x, (0, 3, 4, 5, 1, 2, 6))  # [BN, p3, p2, p1, p5, p4, p0]
     return gl.convert_layout(gl.reshape(x, [v.shape[0], 64]), L_A)
-
-
-@gluon.jit
-def _perm(c):
-    """The register-A column relabelling: column ``c`` of a block holds column
-    ``c0 + 2 c3 + 4 c4 + 8 c5 + 16 c1 + 32 c2`` of the cache (``ci`` the bits of ``c``)."""
-    return (c & 1) | (((c >> 3) & 7) << 1) | (((c >> 1) & 3) << 4)
 
 
 @gluon.jit
@@ -283,7 +277,7 @@ def _sparse_mla_wgmma_kernel(
     A_SLOTS: gl.constexpr, A_HAS_LENS: gl.constexpr, HAS_B: gl.constexpr,
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr, HAS_SINK: gl.constexpr,
     DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    HP: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr,
+    HP: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = 64
     D: gl.constexpr = 512
@@ -322,16 +316,19 @@ def _sparse_mla_wgmma_kernel(
     t = gl.program_id(0).to(gl.int64)
     hq = gl.arange(0, HP, layout=gl.SliceLayout(1, L_Q))
     dq = gl.arange(0, D, layout=gl.SliceLayout(0, L_Q))
-    if REG_A:  # q's columns in the blocks' relabelled order (:func:`_perm`)
-        dq = (dq & ~63) | _perm(dq & 63)
+    q_tok = t * q_stride_t
+    q_head = hq.to(gl.int64) * q_stride_h
+    if IO_VEC:  # strides of whole 16-byte vectors (the launcher checked): 16-byte accesses
+        q_tok = gl.multiple_of(q_tok, 8)
+        q_head = gl.multiple_of(q_head, 8)
     q = gl.load(
-        q_ptr
-        + t * q_stride_t
-        + gl.expand_dims(hq.to(gl.int64) * q_stride_h, 1)
-        + gl.expand_dims(dq, 0),
+        q_ptr + q_tok + gl.expand_dims(q_head, 1) + gl.expand_dims(dq, 0),
         mask=gl.expand_dims(hq < num_heads, 1),
         other=0.0,
     )
+    if REG_A:  # q's columns in the blocks' relabelled order (as :func:`_as_a_operand`)
+        q = gl.reshape(q, [HP, 8, 2, 2, 2, 2, 2, 2])  # [HP, block, p5, p4, p3, p2, p1, p0]
+        q = gl.reshape(gl.permute(q, (0, 1, 4, 5, 6, 2, 3, 7)), [HP, D])
     q_smem.index(0).store(q)
     fence_async_shared()  # q is read by wgmma (the async proxy) from the first tile on
     gl.thread_barrier()
@@ -373,11 +370,13 @@ def _sparse_mla_wgmma_kernel(
     o = gl.convert_layout((acc * gl.expand_dims(factor, 0)).to(gl.bfloat16), L_OUT)
     do = gl.arange(0, D, layout=gl.SliceLayout(1, L_OUT))
     ho = gl.arange(0, HP, layout=gl.SliceLayout(0, L_OUT))
+    o_tok = t * out_stride_t
+    o_head = ho.to(gl.int64) * out_stride_h
+    if IO_VEC:
+        o_tok = gl.multiple_of(o_tok, 8)
+        o_head = gl.multiple_of(o_head, 8)
     gl.store(
-        out_ptr
-        + t * out_stride_t
-        + gl.expand_dims(ho.to(gl.int64) * out_stride_h, 0)
-        + gl.expand_dims(do, 1),
+        out_ptr + o_tok + gl.expand_dims(o_head, 0) + gl.expand_dims(do, 1),
         o,
         mask=gl.expand_dims(ho < num_heads, 0),
     )

@@ -141,12 +141,23 @@ def wgmma_available() -> bool:
     return not _WGMMA_BROKEN and _gluon_importable()
 
 
+def _whole_vectors(*tensors: torch.Tensor) -> bool:
+    """Whether each tensor's base is 16-byte aligned and its token and head strides are
+    whole 16-byte vectors (8 bf16 elements): the kernel may then move q and out in
+    16-byte accesses.  Host-side metadata only, no synchronisation."""
+    return all(
+        x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(1) % 8 == 0 for x in tensors
+    )
+
+
 def _launch_wgmma(
     T: int, H: int, args: tuple[Any, ...], meta: dict[str, Any], tiles: dict[str, int]
 ) -> bool:
     """Launch the wgmma kernel; False (after one warning) when it does not compile with
     this Triton, so the caller runs the Triton kernel instead."""
     from . import _gluon_sparse_mla as g
+
+    q, out = args[0], args[1]
 
     hp = 8 if H <= 8 else 16
     nreg = tiles.get("MAXNREG") or (tiles.get("MAXNREG_H8") if hp == 8 else None)
@@ -159,6 +170,7 @@ def _launch_wgmma(
             HP=hp,
             ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
             REG_A=bool(tiles.get("REG_A", 0)),
+            IO_VEC=bool(tiles.get("IO_VEC", 1)) and _whole_vectors(q, out),
             num_warps=4,
             **({"maxnreg": nreg} if nreg else {}),
         )
