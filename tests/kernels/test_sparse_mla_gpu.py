@@ -217,7 +217,7 @@ def test_wgmma_kernel_matches_reference_and_triton(
     small = {
         k: v
         for k, v in sm.TILES["small"].items()
-        if k not in ("KERNEL", "ASYNC_PV", "MAXNREG_H8", "REG_A")
+        if k not in ("KERNEL", "ASYNC_PV", "MAXNREG_H8", "REG_A_H8")
     }
     monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": {**small, "KERNEL": 0}})
     t_out, t_lse = _outputs(inp)
@@ -309,7 +309,8 @@ def test_wgmma_kernel_over_wide_value_ranges(
     if torch.cuda.get_device_capability(gpu)[0] != 9:
         pytest.skip("the wgmma kernel is for compute capability 9.x (Hopper)")
     assert sm.TILES["small"]["KERNEL"] == 2, "the default small tiles name the wgmma kernel"
-    monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": {**sm.TILES["small"], "REG_A": reg_a}})
+    tiles = {**sm.TILES["small"], "REG_A": reg_a}
+    monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": tiles})
     launched = _count_wgmma_launches(monkeypatch)
     seed = fresh_seed()
     g = torch.Generator(device=gpu).manual_seed(seed)
@@ -340,7 +341,13 @@ def test_wgmma_kernel_over_wide_value_ranges(
     )
     empty = torch.isneginf(want_lse)
     assert torch.equal(torch.isneginf(lse.cpu()), empty), "lse -inf exactly where no key"
-    torch.testing.assert_close(lse.cpu().double()[~empty], want_lse[~empty], **cpu.LSE_TOL)
+    # A logit's float32 sum (the tensor cores') is good to a few units of 2**-23 of
+    # sum |q_d k_d|, which cancellation over these ranges can make far larger than the
+    # logit: the lse is allowed 2**-9 (bf16's rounding) of logsumexp(scale |q| |k|).
+    _, spread = cpu.spec(q.abs(), [(swa.values.abs(), idx, lens)], SCALE, None)
+    diff = (lse.cpu().double() - want_lse)[~empty].abs()
+    allowed = 1e-4 + 1e-5 * want_lse[~empty].abs() + 2.0**-9 * spread[~empty].abs()
+    assert (diff <= allowed).all(), f"seed {seed}: lse off by {float((diff / allowed).max()):.3g}x"
 
 
 @pytest.mark.parametrize("heads", [8, 16])

@@ -85,8 +85,11 @@ MMA_MIN_M = 16  # tl.dot's smallest M: heads are padded to this inside the kerne
 # (Hopper, up to 16 heads, 16-byte aligned FP8 pages; else the Triton kernel), with
 # ASYNC_PV (the P V product overlapping the next tile's loads) and MAXNREG_H8, a
 # register cap for up to 8 heads that lets three programs share a multiprocessor
-# (the shared memory allows three at 8 heads, two at 16).  H200 runs 7-8 in
-# docs/attention.md.
+# (the shared memory allows three at 8 heads, two at 16).  REG_A (REG_A_H8: at up to 8
+# heads) computes S = K q^T with each dequantised block of K as wgmma's register
+# operand, so the tile is read from shared memory once (for P V), not twice; IO_VEC
+# (default on) moves q and out in 16-byte accesses where their strides allow.  H200
+# runs 7-11 in docs/attention.md.
 SMALL_HEADS = 16
 TILES: dict[str, dict[str, int]] = {
     "small": dict(
@@ -99,7 +102,7 @@ TILES: dict[str, dict[str, int]] = {
         KERNEL=2,
         ASYNC_PV=1,
         MAXNREG_H8=168,
-        REG_A=1,
+        REG_A_H8=1,
     ),
     "large": dict(
         MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=1, PREFETCH=0, BF16_DEQUANT=1
@@ -169,7 +172,7 @@ def _launch_wgmma(
             SCALE_BYTES=TOKEN_SCALE_BYTES,
             HP=hp,
             ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
-            REG_A=bool(tiles.get("REG_A", 0)),
+            REG_A=bool(tiles.get("REG_A", tiles.get("REG_A_H8", 0) if hp == 8 else 0)),
             IO_VEC=bool(tiles.get("IO_VEC", 1)) and _whole_vectors(q, out),
             num_warps=4,
             **({"maxnreg": nreg} if nreg else {}),
