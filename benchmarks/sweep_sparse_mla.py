@@ -57,8 +57,7 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("wgmma-smem-a", {**WG, "MAXNREG_H8": 168, "REG_A": 0}),
         ("wgmma-smem-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "IO_VEC": 0}),
         ("wgmma-reg-a", {**WG, "MAXNREG_H8": 168, "REG_A": 1}),
-        # SPLIT: eight shared buffers and accumulators, no barriers between block stores
-        ("wgmma-reg-a-split", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "SPLIT": 1}),
+        ("wgmma-reg-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "IO_VEC": 0}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

@@ -265,124 +265,6 @@ def _attend_source(
     return acc, m_i, l_i
 
 
-@gluon.jit
-def _attend_source_split(
-    o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, q_all,
-    k0_all, k1_all, k2_all, k3_all, k4_all, k5_all, k6_all, k7_all, p_all,
-    src_ptr, idx_row_ptr, length, row_stride, num_rows, qk_scale,
-    SLOTS: gl.constexpr, DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    BN: gl.constexpr, HP: gl.constexpr, QB: gl.constexpr, NOPE_: gl.constexpr,
-    L_CODE: gl.constexpr, L_MMA: gl.constexpr, ASYNC_PV: gl.constexpr,
-):  # fmt: skip
-    """:func:`_attend_source` with ``REG_A`` and ``SPLIT``: the tile's eight 64-column
-    blocks in eight shared buffers and ``O^T`` in eight ``[64, HP]`` accumulators, one
-    per block, so no barrier separates the blocks' stores (the barrier pass sees a
-    store to a column slice of one buffer as a store to all of it)."""
-    L_A: gl.constexpr = gl.DotOperandLayout(0, L_MMA, 2)
-    ok, data, scales = _gather(
-        src_ptr, idx_row_ptr, 0, length, row_stride, num_rows, SLOTS, DATA_BYTES, SCALE_BYTES,
-        BN, L_CODE,
-    )  # fmt: skip
-    if ASYNC_PV:
-        o0 = warpgroup_mma_init(o0)
-        o1 = warpgroup_mma_init(o1)
-        o2 = warpgroup_mma_init(o2)
-        o3 = warpgroup_mma_init(o3)
-        o4 = warpgroup_mma_init(o4)
-        o5 = warpgroup_mma_init(o5)
-        o6 = warpgroup_mma_init(o6)
-        o7 = warpgroup_mma_init(o7)
-    for start in range(0, length, BN):
-        z = gl.inline_asm_elementwise(
-            "mov.b32 $0, 0;", "=r,r", [start], dtype=gl.int32, is_pure=True, pack=1
-        )
-        q_smem = q_all.index(z)
-        p_smem = p_all.index(z)
-        k0 = k0_all.index(z)
-        k1 = k1_all.index(z)
-        k2 = k2_all.index(z)
-        k3 = k3_all.index(z)
-        k4 = k4_all.index(z)
-        k5 = k5_all.index(z)
-        k6 = k6_all.index(z)
-        k7 = k7_all.index(z)
-        c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(
-            ok, data, scales, QB, NOPE_, L_CODE, L_CODE
-        )
-        ok_s = gl.convert_layout(ok, gl.SliceLayout(1, L_MMA))
-        ok, data, scales = _gather(
-            src_ptr, idx_row_ptr, start + BN, length, row_stride, num_rows, SLOTS, DATA_BYTES,
-            SCALE_BYTES, BN, L_CODE,
-        )  # fmt: skip
-        if ASYNC_PV:
-            o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
-                num_outstanding=0, deps=(o0, o1, o2, o3, o4, o5, o6, o7)
-            )
-        gl.thread_barrier()  # every warp is done reading the previous tile
-        s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)
-        v = _block_bf16(c0, sb, 0)
-        k0.store(v)
-        s, a = _qk_block(v, q_smem, 0, s, v, True, L_A)
-        v = _block_bf16(c1, sb, 1)
-        k1.store(v)
-        s, a = _qk_block(v, q_smem, 1, s, a, False, L_A)
-        v = _block_bf16(c2, sb, 2)
-        k2.store(v)
-        s, a = _qk_block(v, q_smem, 2, s, a, False, L_A)
-        v = _block_bf16(c3, sb, 3)
-        k3.store(v)
-        s, a = _qk_block(v, q_smem, 3, s, a, False, L_A)
-        v = _block_bf16(c4, sb, 4)
-        k4.store(v)
-        s, a = _qk_block(v, q_smem, 4, s, a, False, L_A)
-        v = _block_bf16(c5, sb, 5)
-        k5.store(v)
-        s, a = _qk_block(v, q_smem, 5, s, a, False, L_A)
-        v = _block_bf16(c6, sb, 6)
-        k6.store(v)
-        s, a = _qk_block(v, q_smem, 6, s, a, False, L_A)
-        k7.store(rope)
-        s, a = _qk_block(rope, q_smem, 7, s, a, False, L_A)
-        s, a = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
-        s = gl.where(gl.expand_dims(ok_s, 1), s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.expand_dims(gl.exp2(m_i - m_use), 0)
-        p = gl.exp2(s - gl.expand_dims(m_use, 0))
-        l_i = l_i * gl.sum(alpha, axis=0) + gl.sum(p, axis=0)
-        p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
-        fence_async_shared()
-        gl.thread_barrier()
-        pt = p_smem.permute((1, 0))
-        o0 = warpgroup_mma(k0.permute((1, 0)), pt, o0 * alpha, is_async=ASYNC_PV)
-        o1 = warpgroup_mma(k1.permute((1, 0)), pt, o1 * alpha, is_async=ASYNC_PV)
-        o2 = warpgroup_mma(k2.permute((1, 0)), pt, o2 * alpha, is_async=ASYNC_PV)
-        o3 = warpgroup_mma(k3.permute((1, 0)), pt, o3 * alpha, is_async=ASYNC_PV)
-        o4 = warpgroup_mma(k4.permute((1, 0)), pt, o4 * alpha, is_async=ASYNC_PV)
-        o5 = warpgroup_mma(k5.permute((1, 0)), pt, o5 * alpha, is_async=ASYNC_PV)
-        o6 = warpgroup_mma(k6.permute((1, 0)), pt, o6 * alpha, is_async=ASYNC_PV)
-        o7 = warpgroup_mma(k7.permute((1, 0)), pt, o7 * alpha, is_async=ASYNC_PV)
-        m_i = m_new
-    if ASYNC_PV:
-        o0, o1, o2, o3, o4, o5, o6, o7 = warpgroup_mma_wait(
-            num_outstanding=0, deps=(o0, o1, o2, o3, o4, o5, o6, o7)
-        )
-    return o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i
-
-
-@gluon.jit
-def _store_block(o, factor, out_ptr, o_tok, o_head, ho, num_heads, b: gl.constexpr,
-                 L_OUT: gl.constexpr):  # fmt: skip
-    """Columns ``64 b .. 64 b + 64`` of every head's output from accumulator ``o``."""
-    v = gl.convert_layout((o * gl.expand_dims(factor, 0)).to(gl.bfloat16), L_OUT)
-    do = b * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, L_OUT))
-    gl.store(
-        out_ptr + o_tok + gl.expand_dims(o_head, 0) + gl.expand_dims(do, 1),
-        v,
-        mask=gl.expand_dims(ho < num_heads, 0),
-    )
-
-
 @gluon.jit(do_not_specialize=RUNTIME_ARGS)
 def _sparse_mla_wgmma_kernel(
     q_ptr, out_ptr, lse_ptr, sink_ptr,
@@ -396,7 +278,6 @@ def _sparse_mla_wgmma_kernel(
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr, HAS_SINK: gl.constexpr,
     DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
     HP: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
-    SPLIT: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = 64
     D: gl.constexpr = 512
@@ -419,25 +300,12 @@ def _sparse_mla_wgmma_kernel(
     L_ROPE: gl.constexpr = L_CODE if REG_A else gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
     L_OUT: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [4, 1], [0, 1])
-    # (SPLIT: one 64-column block of every head at a time, 16 bytes a thread)
-    L_OUT64: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4], [0, 1])
     L_MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16]
     )
-    if SPLIT:  # eight [BN, 64] buffers (REG_A only)
-        L_KB: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, QB], gl.bfloat16)
-        k0 = gl.allocate_shared_memory(gl.bfloat16, [1, BN, QB], L_KB)
-        k1 = gl.allocate_shared_memory(gl.bfloat16, [1, BN, QB], L_KB)
-        k2 = gl.allocate_shared_memory(gl.bfloat16, [1, BN, QB], L_KB)
-        k3 = gl.allocate_shared_memory(gl.bfloat16, [1, BN, QB], L_KB)
-        k4 = gl.allocate_shared_memory(gl.bfloat16, [1, BN, QB], L_KB)
-        k5 = gl.allocate_shared_memory(gl.bfloat16, [1, BN, QB], L_KB)
-        k6 = gl.allocate_shared_memory(gl.bfloat16, [1, BN, QB], L_KB)
-        k7 = gl.allocate_shared_memory(gl.bfloat16, [1, BN, QB], L_KB)
-    else:
-        k_smem = gl.allocate_shared_memory(
-            gl.bfloat16, [1, BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
-        )
+    k_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [1, BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
+    )
     q_smem = gl.allocate_shared_memory(
         gl.bfloat16, [1, HP, D], gl.NVMMASharedLayout.get_default_for([HP, D], gl.bfloat16)
     )
@@ -467,47 +335,25 @@ def _sparse_mla_wgmma_kernel(
 
     m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))
+    acc = gl.zeros([D, HP], gl.float32, layout=L_MMA)
+
     a_len = a_width
     if A_HAS_LENS:
         a_len = gl.minimum(gl.load(a_len_ptr + t), a_width)
-    b_len = b_width
-    if HAS_B and B_HAS_LENS:
-        b_len = gl.minimum(gl.load(b_len_ptr + t), b_width)
-    if SPLIT:
-        o0 = gl.zeros([QB, HP], gl.float32, layout=L_MMA)
-        o1 = gl.zeros([QB, HP], gl.float32, layout=L_MMA)
-        o2 = gl.zeros([QB, HP], gl.float32, layout=L_MMA)
-        o3 = gl.zeros([QB, HP], gl.float32, layout=L_MMA)
-        o4 = gl.zeros([QB, HP], gl.float32, layout=L_MMA)
-        o5 = gl.zeros([QB, HP], gl.float32, layout=L_MMA)
-        o6 = gl.zeros([QB, HP], gl.float32, layout=L_MMA)
-        o7 = gl.zeros([QB, HP], gl.float32, layout=L_MMA)
-        o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i = _attend_source_split(
-            o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, q_smem, k0, k1, k2, k3, k4, k5, k6, k7,
-            p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len, a_row_stride, a_num_rows,
-            qk_scale, A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_MMA,
-            ASYNC_PV,
-        )  # fmt: skip
-        if HAS_B:
-            o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i = _attend_source_split(
-                o0, o1, o2, o3, o4, o5, o6, o7, m_i, l_i, q_smem, k0, k1, k2, k3, k4, k5, k6,
-                k7, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride, b_len, b_row_stride,
-                b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_,
-                L_CODE, L_MMA, ASYNC_PV,
-            )  # fmt: skip
-    else:
-        acc = gl.zeros([D, HP], gl.float32, layout=L_MMA)
+    acc, m_i, l_i = _attend_source(
+        acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len,
+        a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB,
+        NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A,
+    )  # fmt: skip
+    if HAS_B:
+        b_len = b_width
+        if B_HAS_LENS:
+            b_len = gl.minimum(gl.load(b_len_ptr + t), b_width)
         acc, m_i, l_i = _attend_source(
-            acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride,
-            a_len, a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP,
-            QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A,
+            acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
+            b_len, b_row_stride, b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN,
+            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A,
         )  # fmt: skip
-        if HAS_B:
-            acc, m_i, l_i = _attend_source(
-                acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
-                b_len, b_row_stride, b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN,
-                HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A,
-            )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453
     LOG2E: gl.constexpr = 1.4426950408889634
@@ -521,31 +367,19 @@ def _sparse_mla_wgmma_kernel(
         factor = factor / (1.0 + gl.exp2(sink * LOG2E - lse2))
     lse = gl.where(has_key, lse2 * LN2, float("-inf"))
     gl.store(lse_ptr + t * lse_stride_t + hs, lse, mask=hs < num_heads)
-    L_O: gl.constexpr = L_OUT64 if SPLIT else L_OUT
-    ho = gl.arange(0, HP, layout=gl.SliceLayout(0, L_O))
+    o = gl.convert_layout((acc * gl.expand_dims(factor, 0)).to(gl.bfloat16), L_OUT)
+    do = gl.arange(0, D, layout=gl.SliceLayout(1, L_OUT))
+    ho = gl.arange(0, HP, layout=gl.SliceLayout(0, L_OUT))
     o_tok = t * out_stride_t
     o_head = ho.to(gl.int64) * out_stride_h
     if IO_VEC:
         o_tok = gl.multiple_of(o_tok, 8)
         o_head = gl.multiple_of(o_head, 8)
-    if SPLIT:
-        f = gl.convert_layout(factor, gl.SliceLayout(0, L_MMA))
-        _store_block(o0, f, out_ptr, o_tok, o_head, ho, num_heads, 0, L_O)
-        _store_block(o1, f, out_ptr, o_tok, o_head, ho, num_heads, 1, L_O)
-        _store_block(o2, f, out_ptr, o_tok, o_head, ho, num_heads, 2, L_O)
-        _store_block(o3, f, out_ptr, o_tok, o_head, ho, num_heads, 3, L_O)
-        _store_block(o4, f, out_ptr, o_tok, o_head, ho, num_heads, 4, L_O)
-        _store_block(o5, f, out_ptr, o_tok, o_head, ho, num_heads, 5, L_O)
-        _store_block(o6, f, out_ptr, o_tok, o_head, ho, num_heads, 6, L_O)
-        _store_block(o7, f, out_ptr, o_tok, o_head, ho, num_heads, 7, L_O)
-    else:
-        o = gl.convert_layout((acc * gl.expand_dims(factor, 0)).to(gl.bfloat16), L_O)
-        do = gl.arange(0, D, layout=gl.SliceLayout(1, L_O))
-        gl.store(
-            out_ptr + o_tok + gl.expand_dims(o_head, 0) + gl.expand_dims(do, 1),
-            o,
-            mask=gl.expand_dims(ho < num_heads, 0),
-        )
+    gl.store(
+        out_ptr + o_tok + gl.expand_dims(o_head, 0) + gl.expand_dims(do, 1),
+        o,
+        mask=gl.expand_dims(ho < num_heads, 0),
+    )
 
 
 def compiled_variants() -> int:

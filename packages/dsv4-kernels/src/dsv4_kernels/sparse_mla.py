@@ -161,8 +161,8 @@ def _launch_wgmma(
     from . import _gluon_sparse_mla as g
 
     q, out = args[0], args[1]
+
     hp = 8 if H <= 8 else 16
-    reg_a = bool(tiles.get("REG_A", tiles.get("REG_A_H8", 0) if hp == 8 else 0))
     nreg = tiles.get("MAXNREG") or (tiles.get("MAXNREG_H8") if hp == 8 else None)
     try:
         g._sparse_mla_wgmma_kernel[(T,)](
@@ -172,8 +172,7 @@ def _launch_wgmma(
             SCALE_BYTES=TOKEN_SCALE_BYTES,
             HP=hp,
             ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
-            REG_A=reg_a,
-            SPLIT=reg_a and bool(tiles.get("SPLIT", 0)),
+            REG_A=bool(tiles.get("REG_A", tiles.get("REG_A_H8", 0) if hp == 8 else 0)),
             IO_VEC=bool(tiles.get("IO_VEC", 1)) and _whole_vectors(q, out),
             num_warps=4,
             **({"maxnreg": nreg} if nreg else {}),
