@@ -12,11 +12,16 @@ around Hopper's warpgroup MMA with the keys on the M dimension:
 * per tile of 64 keys (wgmma's M): gather each key's 7 x 64 FP8 codes, its 7
   scale bytes (one 8-byte word) and 64 bf16 rope values by slot, dequantise
   **once** and store the bf16 tile to one shared-memory buffer ``K [64, 512]``;
-* ``S^T [64, HP] = K q^T`` (wgmma, A = K from shared memory, B = q^T), online
-  softmax down the key axis, ``P^T`` to shared memory, then
-  ``O^T [512, HP] += K^T P^T`` (wgmma, A = the same buffer read transposed):
-  neither product pads the heads to 64 and the tile is read from shared memory
-  by the tensor cores directly (no register round trip per dot);
+* ``S^T [64, HP] = K q^T`` (wgmma, B = q^T), online softmax down the key axis,
+  ``P^T`` to shared memory, then ``O^T [512, HP] += K^T P^T`` (wgmma, A = the
+  tile read transposed from shared memory): neither product pads the heads to 64;
+* ``REG_A`` (the default at up to 8 heads): ``S`` takes each dequantised 64-column
+  block straight from the registers that also store it, as wgmma's register A
+  operand (the block's columns relabelled to that operand's layout, q's columns
+  stored in the same order), so the tile is read from shared memory once, by
+  ``P V``, not twice (runs 11-12: 1.09x at Flash TP8 C4A, 1.22x on SWA layers;
+  without it ``S`` reads the tile from shared memory, faster at 16 heads);
+* ``IO_VEC``: q and out in 16-byte accesses where their strides allow;
 * the next tile's index entries are loaded before this tile's products; its
   bytes at the top of the next step, while ``ASYNC_PV`` lets this tile's
   ``P V`` product run (holding the bytes across the products was 10x slower,
@@ -104,23 +109,19 @@ def _load_tile(
 
 
 @gluon.jit
-def _block_to_smem(codes, sb, b: gl.constexpr, k_smem, QB: gl.constexpr, L_CODE: gl.constexpr):
-    """Dequantise code block ``b`` (``code * 2**(byte - 127)``, exact in bf16) into
-    columns ``64 b .. 64 b + 64`` of the shared tile; ``sb`` holds the key's scale
-    bytes as one int64 (byte ``b`` = bits ``8 b .. 8 b + 8``)."""
-    byte = ((sb >> (8 * b)) & 0xFF).to(gl.int32)
-    scale = (byte << 23).to(gl.float32, bitcast=True)
-    v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 1)
-    k_smem.slice(b * QB, QB, dim=1).store(v.to(gl.bfloat16))
-
-
-@gluon.jit
 def _block_bf16(codes, sb, b: gl.constexpr):
-    """Code block ``b`` dequantised to bf16 (as :func:`_block_to_smem`), in registers."""
+    """Code block ``b`` dequantised (``code * 2**(byte - 127)``, exact in bf16); ``sb``
+    holds the key's scale bytes as one int64 (byte ``b`` = bits ``8 b .. 8 b + 8``)."""
     byte = ((sb >> (8 * b)) & 0xFF).to(gl.int32)
     scale = (byte << 23).to(gl.float32, bitcast=True)
     v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 1)
     return v.to(gl.bfloat16)
+
+
+@gluon.jit
+def _block_to_smem(codes, sb, b: gl.constexpr, k_smem, QB: gl.constexpr):
+    """Code block ``b`` dequantised into columns ``64 b .. 64 b + 64`` of the shared tile."""
+    k_smem.slice(b * QB, QB, dim=1).store(_block_bf16(codes, sb, b))
 
 
 @gluon.jit
@@ -236,13 +237,13 @@ def _attend_source(
             s, a = _qk_block(rope, q_smem, 7, s, a, False, L_A)
             s, a = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
         else:
-            _block_to_smem(c0, sb, 0, k_smem, QB, L_CODE)
-            _block_to_smem(c1, sb, 1, k_smem, QB, L_CODE)
-            _block_to_smem(c2, sb, 2, k_smem, QB, L_CODE)
-            _block_to_smem(c3, sb, 3, k_smem, QB, L_CODE)
-            _block_to_smem(c4, sb, 4, k_smem, QB, L_CODE)
-            _block_to_smem(c5, sb, 5, k_smem, QB, L_CODE)
-            _block_to_smem(c6, sb, 6, k_smem, QB, L_CODE)
+            _block_to_smem(c0, sb, 0, k_smem, QB)
+            _block_to_smem(c1, sb, 1, k_smem, QB)
+            _block_to_smem(c2, sb, 2, k_smem, QB)
+            _block_to_smem(c3, sb, 3, k_smem, QB)
+            _block_to_smem(c4, sb, 4, k_smem, QB)
+            _block_to_smem(c5, sb, 5, k_smem, QB)
+            _block_to_smem(c6, sb, 6, k_smem, QB)
             k_smem.slice(NOPE_, QB, dim=1).store(rope)
             fence_async_shared()
             gl.thread_barrier()
