@@ -89,7 +89,7 @@ MMA_MIN_M = 16  # tl.dot's smallest M: heads are padded to this inside the kerne
 # heads) computes S = K q^T with each dequantised block of K as wgmma's register
 # operand, so the tile is read from shared memory once (for P V), not twice; IO_VEC
 # (default on) moves q and out in 16-byte accesses where their strides allow.  H200
-# runs 7-11 in docs/attention.md.
+# runs 7-12 in docs/attention.md.
 SMALL_HEADS = 16
 TILES: dict[str, dict[str, int]] = {
     "small": dict(
