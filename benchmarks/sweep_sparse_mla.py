@@ -57,9 +57,7 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("wgmma-smem-a", {**WG, "MAXNREG_H8": 168, "REG_A": 0}),
         ("wgmma-smem-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "IO_VEC": 0}),
         ("wgmma-reg-a", {**WG, "MAXNREG_H8": 168, "REG_A": 1}),
-        # CPA: the next tile's raw bytes copied into a shared stage (cp.async) during the
-        # whole of this tile's work (two programs per multiprocessor instead of three)
-        ("wgmma-reg-a-cpa", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "CPA": 1}),
+        ("wgmma-reg-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "IO_VEC": 0}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     warpgroup_mma,
@@ -110,41 +109,6 @@ def _load_tile(
 
 
 @gluon.jit
-def _copy_tile(
-    st_codes, st_rope, st_sb, ok, data, scales, QB: gl.constexpr, NOPE_: gl.constexpr,
-    L_CODE: gl.constexpr,
-):  # fmt: skip
-    """``CPA``: request a tile's raw bytes into the shared stage with ``cp.async`` (rows
-    of keys that are not valid are zero-filled), as one commit group."""
-    e = gl.arange(0, QB, layout=gl.SliceLayout(0, L_CODE))
-    m2 = gl.expand_dims(ok, 1)
-    p2 = gl.expand_dims(data, 1) + gl.expand_dims(e, 0)
-    for b in gl.static_range(7):
-        async_copy.async_copy_global_to_shared(st_codes.index(b), p2 + b * QB, mask=m2)
-    rope_ptr = (data + NOPE_).to(gl.pointer_type(gl.bfloat16))
-    async_copy.async_copy_global_to_shared(
-        st_rope, gl.expand_dims(rope_ptr, 1) + gl.expand_dims(e, 0), mask=m2
-    )
-    async_copy.async_copy_global_to_shared(st_sb, scales.to(gl.pointer_type(gl.int64)), mask=ok)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _read_stage(st_codes, st_rope, st_sb, L_CODE: gl.constexpr):
-    """``CPA``: the staged tile's bytes, as :func:`_load_tile` returns them."""
-    c0 = st_codes.index(0).load(L_CODE)
-    c1 = st_codes.index(1).load(L_CODE)
-    c2 = st_codes.index(2).load(L_CODE)
-    c3 = st_codes.index(3).load(L_CODE)
-    c4 = st_codes.index(4).load(L_CODE)
-    c5 = st_codes.index(5).load(L_CODE)
-    c6 = st_codes.index(6).load(L_CODE)
-    sb = st_sb.load(gl.SliceLayout(1, L_CODE))
-    rope = st_rope.load(L_CODE)
-    return c0, c1, c2, c3, c4, c5, c6, sb, rope
-
-
-@gluon.jit
 def _block_bf16(codes, sb, b: gl.constexpr):
     """Code block ``b`` dequantised (``code * 2**(byte - 127)``, exact in bf16); ``sb``
     holds the key's scale bytes as one int64 (byte ``b`` = bits ``8 b .. 8 b + 8``)."""
@@ -211,21 +175,13 @@ def _attend_source(
     L_MMA: gl.constexpr,
     ASYNC_PV: gl.constexpr,
     REG_A: gl.constexpr,
-    CPA: gl.constexpr,
-    st_codes,
-    st_rope,
-    st_sb,
 ):
     """Online softmax over one key source (tiles of ``BN`` keys).  With ``ASYNC_PV`` the
-    ``P V`` product of a tile runs while the next tile's bytes are loaded; with ``CPA``
-    the next tile's bytes are copied into a shared stage (``cp.async``) during this
-    tile's whole computation."""
+    ``P V`` product of a tile runs while the next tile's bytes are loaded."""
     ok, data, scales = _gather(
         src_ptr, idx_row_ptr, 0, length, row_stride, num_rows, SLOTS, DATA_BYTES, SCALE_BYTES,
         BN, L_CODE,
     )  # fmt: skip
-    if CPA:
-        _copy_tile(st_codes, st_rope, st_sb, ok, data, scales, QB, NOPE_, L_CODE)
     if ASYNC_PV:  # the loop carries the accumulator of an MMA in flight
         acc = warpgroup_mma_init(acc)
     for start in range(0, length, BN):
@@ -238,10 +194,9 @@ def _attend_source(
         k_smem = k_all.index(z)
         q_smem = q_all.index(z)
         p_smem = p_all.index(z)
-        if not CPA:
-            c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(
-                ok, data, scales, QB, NOPE_, L_CODE, L_ROPE
-            )
+        c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(
+            ok, data, scales, QB, NOPE_, L_CODE, L_ROPE
+        )
         ok_s = gl.convert_layout(ok, gl.SliceLayout(1, L_MMA))
         # the next tile's index entries, the first of its two dependent loads, before this
         # tile's math (measured the same as after it: run 7)
@@ -249,15 +204,9 @@ def _attend_source(
             src_ptr, idx_row_ptr, start + BN, length, row_stride, num_rows, SLOTS, DATA_BYTES,
             SCALE_BYTES, BN, L_CODE,
         )  # fmt: skip
-        if CPA:
-            async_copy.wait_group(0)
         if ASYNC_PV:  # the previous tile's P V must be done before its tile is overwritten
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         gl.thread_barrier()  # every warp is done reading the previous tile
-        if CPA:  # this tile from the stage, then the next tile's copy into it
-            c0, c1, c2, c3, c4, c5, c6, sb, rope = _read_stage(st_codes, st_rope, st_sb, L_CODE)
-            gl.thread_barrier()
-            _copy_tile(st_codes, st_rope, st_sb, ok, data, scales, QB, NOPE_, L_CODE)
         if REG_A:
             # each block to shared memory (for P V) and, from the same registers, into
             # S = K q^T as wgmma's register operand: S reads no shared memory
@@ -330,7 +279,6 @@ def _sparse_mla_wgmma_kernel(
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr, HAS_SINK: gl.constexpr,
     DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
     HP: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
-    CPA: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = 64
     D: gl.constexpr = 512
@@ -365,20 +313,6 @@ def _sparse_mla_wgmma_kernel(
     p_smem = gl.allocate_shared_memory(
         gl.bfloat16, [1, HP, BN], gl.NVMMASharedLayout.get_default_for([HP, BN], gl.bfloat16)
     )
-    if CPA:  # the stage for the next tile's raw bytes (REG_A's row layout)
-        st_codes = gl.allocate_shared_memory(
-            gl.uint8, [7, BN, QB], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        )
-        st_rope = gl.allocate_shared_memory(
-            gl.bfloat16, [BN, QB], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-        )
-        st_sb = gl.allocate_shared_memory(
-            gl.int64, [BN], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        )
-    else:
-        st_codes = p_smem
-        st_rope = p_smem
-        st_sb = p_smem
 
     t = gl.program_id(0).to(gl.int64)
     hq = gl.arange(0, HP, layout=gl.SliceLayout(1, L_Q))
@@ -410,7 +344,7 @@ def _sparse_mla_wgmma_kernel(
     acc, m_i, l_i = _attend_source(
         acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len,
         a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB,
-        NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, CPA, st_codes, st_rope, st_sb,
+        NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A,
     )  # fmt: skip
     if HAS_B:
         b_len = b_width
@@ -419,7 +353,7 @@ def _sparse_mla_wgmma_kernel(
         acc, m_i, l_i = _attend_source(
             acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
             b_len, b_row_stride, b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN,
-            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, CPA, st_codes, st_rope, st_sb,
+            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A,
         )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453

@@ -173,7 +173,6 @@ def _launch_wgmma(
             HP=hp,
             ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
             REG_A=bool(tiles.get("REG_A", tiles.get("REG_A_H8", 0) if hp == 8 else 0)),
-            CPA=bool(tiles.get("CPA", 0)),
             IO_VEC=bool(tiles.get("IO_VEC", 1)) and _whole_vectors(q, out),
             num_warps=4,
             **({"maxnreg": nreg} if nreg else {}),
