@@ -19,8 +19,9 @@ around Hopper's warpgroup MMA with the keys on the M dimension:
   block straight from the registers that also store it, as wgmma's register A
   operand (the block's columns relabelled to that operand's layout, q's columns
   stored in the same order), so the tile is read from shared memory once, by
-  ``P V``, not twice (runs 11-12: 1.09x at Flash TP8 C4A, 1.22x on SWA layers;
-  without it ``S`` reads the tile from shared memory, faster at 16 heads);
+  ``P V``, not twice (run 11b: 1.04x at Flash TP8 C4A, 1.05x at C128A, 1.22x on
+  SWA layers; without it ``S`` reads the tile from shared memory, faster at 16
+  heads);
 * ``IO_VEC``: q and out in 16-byte accesses where their strides allow;
 * the next tile's index entries are loaded before this tile's products; its
   bytes at the top of the next step, while ``ASYNC_PV`` lets this tile's
