@@ -68,15 +68,13 @@ def _patch(kind: str) -> None:
         from dsv4_kernels import _gluon_sparse_mla as g
 
         @gluon.jit
-        def convert_only(
-            codes, sb, b: gl.constexpr, k_smem, QB: gl.constexpr, L_CODE: gl.constexpr
-        ):
+        def convert_only(codes, sb, b: gl.constexpr):
             # one hardware conversion per two codes (what keeping the tile in f16 costs),
             # no scale: the tile's values are wrong, its instruction count is the point
             v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float16)
-            k_smem.slice(b * QB, QB, dim=1).store(v.to(gl.bfloat16, bitcast=True))
+            return v.to(gl.bfloat16, bitcast=True)
 
-        g._block_to_smem = convert_only
+        g._block_bf16 = convert_only  # both S operand kinds dequantise through it
         return
     if kind == "no-dequant":
 
