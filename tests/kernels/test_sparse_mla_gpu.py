@@ -42,6 +42,20 @@ def _written(out: torch.Tensor, lse: torch.Tensor) -> None:
     assert not torch.isnan(lse).any(), "lse has NaN (unwritten elements?)"
 
 
+def _paged_against_reference(
+    inp: cs.AttnInputs, gpu: torch.device, label: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the paged kernel into poisoned outputs; every element written, a token sample
+    against the float32 reference.  Returns the outputs."""
+    out, lse = _outputs(inp)
+    inp.run_paged(out, lse)
+    _written(out, lse)
+    tokens = cs.check_tokens(out.shape[0], gpu)
+    want = cs.reference_sample(inp, tokens)
+    cs.assert_close_attention((out[tokens], lse[tokens]), want, label)
+    return out, lse
+
+
 @pytest.mark.parametrize("heads", [1, 8, 16, 64, 128])
 @pytest.mark.parametrize("layer", ["c4a", "c128a", "swa"])
 @pytest.mark.parametrize("fresh", [False, True])
@@ -51,12 +65,7 @@ def test_benchmark_sizes_match_reference(
     topk = 1024 if heads == 16 else 512
     seed = fresh_seed()
     inp = cs.make_inputs(_shape(layer, heads, topk=topk, fresh=fresh), gpu, seed)
-    out, lse = _outputs(inp)
-    inp.run_paged(out, lse)
-    _written(out, lse)
-    tokens = cs.check_tokens(out.shape[0], gpu)
-    want = cs.reference_sample(inp, tokens)
-    cs.assert_close_attention((out[tokens], lse[tokens]), want, f"paged, seed {seed}")
+    out, lse = _paged_against_reference(inp, gpu, f"paged, seed {seed}")
     # The bf16 workspace with vLLM's combined rows holds the same keys.
     w_out, w_lse = _outputs(inp)
     inp.run_workspace(w_out, w_lse)
@@ -225,12 +234,7 @@ def test_wgmma_kernel_matches_reference_and_triton(
     wg = {**small, "KERNEL": 2, **variant}
     monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": wg})
     assert sm._wgmma_ok(inp.q, wg, True, True), "the wgmma kernel would not run here"
-    out, lse = _outputs(inp)
-    inp.run_paged(out, lse)
-    _written(out, lse)
-    tokens = cs.check_tokens(out.shape[0], gpu)
-    want = cs.reference_sample(inp, tokens)
-    cs.assert_close_attention((out[tokens], lse[tokens]), want, f"wgmma, seed {seed}")
+    out, lse = _paged_against_reference(inp, gpu, f"wgmma, seed {seed}")
     cs.assert_close_attention((out, lse), (t_out, t_lse), f"wgmma vs Triton, seed {seed}")
 
 
