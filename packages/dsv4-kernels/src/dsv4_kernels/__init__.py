@@ -16,11 +16,18 @@ from .kv_cache import (
     quantize_and_insert_k_cache,
 )
 from .metadata import combine_topk_swa_indices, compute_global_topk_indices_and_lens
-from .prefill_indices import PrefillIndices, build_prefill_indices
+from .prefill_indices import (
+    GroupedPrefillIndices,
+    PrefillIndices,
+    build_grouped_prefill_indices,
+    build_prefill_indices,
+)
 from .sparse_mla import sparse_mla_paged, sparse_mla_workspace
 
 __all__ = [
+    "GroupedPrefillIndices",
     "PrefillIndices",
+    "build_grouped_prefill_indices",
     "build_prefill_indices",
     "combine_topk_swa_indices",
     "compute_global_topk_indices_and_lens",

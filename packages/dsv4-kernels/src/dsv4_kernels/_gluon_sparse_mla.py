@@ -160,7 +160,10 @@ def _attend_source(
     p_all,
     src_ptr,
     idx_row_ptr,
+    lo,
     length,
+    row_lo,
+    row_hi,
     row_stride,
     num_rows,
     qk_scale,
@@ -176,16 +179,19 @@ def _attend_source(
     L_MMA: gl.constexpr,
     ASYNC_PV: gl.constexpr,
     REG_A: gl.constexpr,
+    PER_ROW: gl.constexpr,
 ):
-    """Online softmax over one key source (tiles of ``BN`` keys).  With ``ASYNC_PV`` the
-    ``P V`` product of a tile runs while the next tile's bytes are loaded."""
+    """Online softmax over columns ``lo .. length`` of one key source (tiles of ``BN``
+    keys).  With ``PER_ROW`` column ``j`` counts for row ``r`` (a token's head) only where
+    ``row_lo[r] <= j < row_hi[r]``.  With ``ASYNC_PV`` the ``P V`` product of a tile runs
+    while the next tile's bytes are loaded."""
     ok, data, scales = _gather(
-        src_ptr, idx_row_ptr, 0, length, row_stride, num_rows, SLOTS, DATA_BYTES, SCALE_BYTES,
+        src_ptr, idx_row_ptr, lo, length, row_stride, num_rows, SLOTS, DATA_BYTES, SCALE_BYTES,
         BN, L_CODE,
     )  # fmt: skip
     if ASYNC_PV:  # the loop carries the accumulator of an MMA in flight
         acc = warpgroup_mma_init(acc)
-    for start in range(0, length, BN):
+    for start in range(lo, length, BN):
         # The buffers are indexed by a zero the compiler cannot see through: the wgmma
         # descriptors then depend on the iteration and are not hoisted out of the loop
         # (64 of them, live across it, took every register and spilled).
@@ -233,7 +239,11 @@ def _attend_source(
             gl.thread_barrier()
             s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)
             s = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s, use_acc=False)
-        s = gl.where(gl.expand_dims(ok_s, 1), s * qk_scale, float("-inf"))
+        live = gl.expand_dims(ok_s, 1)
+        if PER_ROW:
+            col = gl.expand_dims(start + gl.arange(0, BN, layout=gl.SliceLayout(1, L_MMA)), 1)
+            live = live & (col >= gl.expand_dims(row_lo, 0)) & (col < gl.expand_dims(row_hi, 0))
+        s = gl.where(live, s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_use)
@@ -250,7 +260,31 @@ def _attend_source(
     return acc, m_i, l_i
 
 
-@gluon.jit(do_not_specialize=RUNTIME_ARGS)
+@gluon.jit
+def _rows(first, end, num_heads, HP: gl.constexpr, HT: gl.constexpr, layout: gl.constexpr):
+    """The MMA rows' tokens and heads (row ``r``: token ``first + r // HT``, head ``r %
+    HT``) and which rows are real (a head below ``num_heads`` of a token before ``end``)."""
+    r = gl.arange(0, HP, layout=layout)
+    tok = first + r // HT
+    head = r % HT
+    return tok, head, (head < num_heads) & (tok < end)
+
+
+@gluon.jit
+def _row_range(len_ptr, start_ptr, width, tok, row_ok,
+               HAS_LENS: gl.constexpr, HAS_STARTS: gl.constexpr):  # fmt: skip
+    """Per row (a token's head): the source columns ``[lo, hi)`` its token reads."""
+    hi = gl.zeros_like(tok) + width
+    if HAS_LENS:
+        hi = gl.minimum(gl.load(len_ptr + tok, mask=row_ok, other=0), width)
+    lo = gl.zeros_like(tok)
+    if HAS_STARTS:
+        lo = gl.load(start_ptr + tok, mask=row_ok, other=0)
+        hi = gl.minimum(lo + hi, width)
+    return gl.where(row_ok, lo, width), gl.where(row_ok, hi, 0)
+
+
+@gluon.jit(do_not_specialize=[*RUNTIME_ARGS, "lead_ptr", "a_start_ptr", "b_start_ptr"])
 def _sparse_mla_wgmma_kernel(
     q_ptr, out_ptr, lse_ptr, sink_ptr,
     a_src_ptr, a_idx_ptr, a_len_ptr, b_src_ptr, b_idx_ptr, b_len_ptr,
@@ -259,15 +293,24 @@ def _sparse_mla_wgmma_kernel(
     b_idx_stride, b_width, b_row_stride, b_num_rows,
     q_stride_t, q_stride_h, out_stride_t, out_stride_h, lse_stride_t,
     qk_scale,
+    lead_ptr, a_start_ptr, b_start_ptr,
     A_SLOTS: gl.constexpr, A_HAS_LENS: gl.constexpr, HAS_B: gl.constexpr,
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr, HAS_SINK: gl.constexpr,
     DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
-    HP: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
+    HT: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
+    G: gl.constexpr = 1, A_HAS_STARTS: gl.constexpr = False,
+    B_HAS_STARTS: gl.constexpr = False,
 ):  # fmt: skip
+    """One program per query token (``G == 1``) or per ``G`` consecutive tokens that share
+    key rows: token ``t`` reads the rows of token ``lead_ptr[t]`` (its leader, at or
+    after ``t``'s group's first token), columns ``[start[t], start[t] + len[t])``, so
+    each key is loaded and dequantised once for all of them.  MMA rows: ``G`` tokens x
+    ``HT`` heads."""
     BN: gl.constexpr = 64
     D: gl.constexpr = 512
     QB: gl.constexpr = 64
     NOPE_: gl.constexpr = 448
+    HP: gl.constexpr = G * HT
     # 16-byte rows of FP8 codes and bf16 values, 4 threads per 64-column block
     # (REG_A: rows as wgmma's accumulator rows, so the codes' registers relabel as its A
     # operand; the rope takes the same layout)
@@ -298,17 +341,17 @@ def _sparse_mla_wgmma_kernel(
         gl.bfloat16, [1, HP, BN], gl.NVMMASharedLayout.get_default_for([HP, BN], gl.bfloat16)
     )
 
-    t = gl.program_id(0).to(gl.int64)
-    hq = gl.arange(0, HP, layout=gl.SliceLayout(1, L_Q))
-    dq = gl.arange(0, D, layout=gl.SliceLayout(0, L_Q))
-    q_tok = t * q_stride_t
-    q_head = hq.to(gl.int64) * q_stride_h
+    pid = gl.program_id(0)
+    first = pid.to(gl.int64) * G
+    end = gl.minimum(first + G, num_tokens)
+    tq, hq, q_ok = _rows(first, end, num_heads, HP, HT, gl.SliceLayout(1, L_Q))
+    q_row = tq * q_stride_t + hq.to(gl.int64) * q_stride_h
     if IO_VEC:  # strides of whole 16-byte vectors (the launcher checked): 16-byte accesses
-        q_tok = gl.multiple_of(q_tok, 8)
-        q_head = gl.multiple_of(q_head, 8)
+        q_row = gl.multiple_of(q_row, 8)
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, L_Q))
     q = gl.load(
-        q_ptr + q_tok + gl.expand_dims(q_head, 1) + gl.expand_dims(dq, 0),
-        mask=gl.expand_dims(hq < num_heads, 1),
+        q_ptr + gl.expand_dims(q_row, 1) + gl.expand_dims(dq, 0),
+        mask=gl.expand_dims(q_ok, 1),
         other=0.0,
     )
     if REG_A:  # q's columns in the blocks' relabelled order (as :func:`_as_a_operand`)
@@ -322,48 +365,78 @@ def _sparse_mla_wgmma_kernel(
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))
     acc = gl.zeros([D, HP], gl.float32, layout=L_MMA)
 
-    a_len = a_width
-    if A_HAS_LENS:
-        a_len = gl.minimum(gl.load(a_len_ptr + t), a_width)
-    acc, m_i, l_i = _attend_source(
-        acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len,
-        a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB,
-        NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A,
-    )  # fmt: skip
-    if HAS_B:
-        b_len = b_width
-        if B_HAS_LENS:
-            b_len = gl.minimum(gl.load(b_len_ptr + t), b_width)
+    if G == 1:  # one token: its length (scalars only; nothing more lives across the loop)
+        a_end = a_width
+        if A_HAS_LENS:
+            a_end = gl.minimum(gl.load(a_len_ptr + first), a_width)
         acc, m_i, l_i = _attend_source(
-            acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
-            b_len, b_row_stride, b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN,
-            HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A,
+            acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + first * a_idx_stride,
+            0, a_end, a_end, a_end, a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES,
+            SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
         )  # fmt: skip
+        if HAS_B:
+            b_end = b_width
+            if B_HAS_LENS:
+                b_end = gl.minimum(gl.load(b_len_ptr + first), b_width)
+            acc, m_i, l_i = _attend_source(
+                acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr,
+                b_idx_ptr + first * b_idx_stride, 0, b_end, b_end, b_end, b_row_stride,
+                b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_,
+                L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
+            )  # fmt: skip
+    else:
+        # One pass per leader among the group's tokens (one, unless a request starts
+        # inside the group): the leader's rows, each MMA row restricted to its own
+        # token's columns and to the tokens this leader leads (other rows see only
+        # -inf scores in the pass, which leaves their softmax state as it was).
+        ts, hs, row_ok = _rows(first, end, num_heads, HP, HT, gl.SliceLayout(0, L_MMA))
+        lead = gl.load(lead_ptr + ts, mask=row_ok, other=-1)
+        for g in range(G):
+            leader = first + g
+            if gl.load(lead_ptr + leader, mask=leader < end, other=-1) == leader:
+                mine = row_ok & (lead == leader)
+                a_lo, a_hi = _row_range(a_len_ptr, a_start_ptr, a_width, ts, mine, A_HAS_LENS,
+                                        A_HAS_STARTS)  # fmt: skip
+                acc, m_i, l_i = _attend_source(
+                    acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr,
+                    a_idx_ptr + leader * a_idx_stride, gl.min(a_lo, axis=0),
+                    gl.max(a_hi, axis=0), a_lo, a_hi, a_row_stride, a_num_rows, qk_scale,
+                    A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA,
+                    ASYNC_PV, REG_A, True,
+                )  # fmt: skip
+                if HAS_B:
+                    b_lo, b_hi = _row_range(b_len_ptr, b_start_ptr, b_width, ts, mine,
+                                            B_HAS_LENS, B_HAS_STARTS)  # fmt: skip
+                    acc, m_i, l_i = _attend_source(
+                        acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr,
+                        b_idx_ptr + leader * b_idx_stride, gl.min(b_lo, axis=0),
+                        gl.max(b_hi, axis=0), b_lo, b_hi, b_row_stride, b_num_rows, qk_scale,
+                        B_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE,
+                        L_MMA, ASYNC_PV, REG_A, True,
+                    )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453
     LOG2E: gl.constexpr = 1.4426950408889634
-    hs = gl.arange(0, HP, layout=gl.SliceLayout(0, L_MMA))
+    ts, hs, row_ok = _rows(first, end, num_heads, HP, HT, gl.SliceLayout(0, L_MMA))
     has_key = l_i > 0.0
     l_safe = gl.where(has_key, l_i, 1.0)
     lse2 = gl.where(has_key, m_i, 0.0) + gl.log2(l_safe)
     factor = gl.where(has_key, 1.0 / l_safe, 0.0)
     if HAS_SINK:
-        sink = gl.load(sink_ptr + hs, mask=hs < num_heads, other=float("-inf"))
+        sink = gl.load(sink_ptr + hs, mask=row_ok, other=float("-inf"))
         factor = factor / (1.0 + gl.exp2(sink * LOG2E - lse2))
     lse = gl.where(has_key, lse2 * LN2, float("-inf"))
-    gl.store(lse_ptr + t * lse_stride_t + hs, lse, mask=hs < num_heads)
+    gl.store(lse_ptr + ts * lse_stride_t + hs, lse, mask=row_ok)
     o = gl.convert_layout((acc * gl.expand_dims(factor, 0)).to(gl.bfloat16), L_OUT)
     do = gl.arange(0, D, layout=gl.SliceLayout(1, L_OUT))
-    ho = gl.arange(0, HP, layout=gl.SliceLayout(0, L_OUT))
-    o_tok = t * out_stride_t
-    o_head = ho.to(gl.int64) * out_stride_h
+    to, ho, o_ok = _rows(first, end, num_heads, HP, HT, gl.SliceLayout(0, L_OUT))
+    o_row = to * out_stride_t + ho.to(gl.int64) * out_stride_h
     if IO_VEC:
-        o_tok = gl.multiple_of(o_tok, 8)
-        o_head = gl.multiple_of(o_head, 8)
+        o_row = gl.multiple_of(o_row, 8)
     gl.store(
-        out_ptr + o_tok + gl.expand_dims(o_head, 0) + gl.expand_dims(do, 1),
+        out_ptr + gl.expand_dims(o_row, 0) + gl.expand_dims(do, 1),
         o,
-        mask=gl.expand_dims(ho < num_heads, 0),
+        mask=gl.expand_dims(o_ok, 0),
     )
 
 

@@ -51,6 +51,8 @@ RUNTIME_ARGS = [
     "comp_pages",
     "topk",
     "win_tiles",
+    "lead_ptr",
+    "win_starts_ptr",
 ]
 
 
@@ -81,6 +83,8 @@ def _prefill_indices_kernel(
     win_lens_ptr,  # [num_tokens] int32
     comp_ptr,  # [num_tokens, topk] int32
     comp_lens_ptr,  # [num_tokens] int32
+    lead_ptr,  # [num_tokens] int32 (GROUP > 1): each token's leader
+    win_starts_ptr,  # [num_tokens] int32 (GROUP > 1 with HAS_WINDOW)
     # sizes and strides
     win_table_stride,
     comp_table_stride,
@@ -103,17 +107,28 @@ def _prefill_indices_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    GROUP: tl.constexpr = 1,  # > 1: grouped rows (build_grouped_prefill_indices)
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = toks < num_tokens
 
-    req, _seq_len, pos = token_positions(
+    req, seq_len, pos = token_positions(
         qsl_ptr, seq_lens_ptr, toks, tok_ok, num_reqs, BLOCK_T, BLOCK_R
     )
     req64 = req.to(tl.int64)[:, None]
     rows64 = toks.to(tl.int64)[:, None]
+    # Grouped rows: a token's leader is the first token of its group (tokens GROUP * k ..
+    # GROUP * k + GROUP - 1 of the chunk) in its own request; the leader's rows are filled
+    # past its own length with the request's later slots, so they hold the group's keys.
+    lead_back = tl.zeros_like(toks)
+    if GROUP > 1:
+        q_first = tl.load(qsl_ptr + req, mask=tok_ok, other=0) - tl.load(qsl_ptr)
+        lead = tl.maximum((toks // GROUP) * GROUP, q_first)
+        lead_back = toks - lead
+        if pid_c == 0:
+            tl.store(lead_ptr + toks, lead, mask=tok_ok)
 
     # Constexpr test outside, run-time test inside: the dead branch compiles away.
     if HAS_WINDOW:  # noqa: SIM102
@@ -122,8 +137,15 @@ def _prefill_indices_kernel(
             swa_len = tl.maximum(tl.minimum(pos + 1, WINDOW), 0)
             if pid_c == 0:
                 tl.store(win_lens_ptr + toks, swa_len, mask=tok_ok)
+                if GROUP > 1:
+                    lead_start = tl.maximum(pos - lead_back - (WINDOW - 1), 0)
+                    tl.store(win_starts_ptr + toks, swa_start - lead_start, mask=tok_ok)
             c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
-            live = (c < swa_len[:, None]) & tok_ok[:, None]
+            if GROUP > 1:  # every position of the request from the window's start on
+                live = (swa_start[:, None] + c < seq_len[:, None]) & (pos[:, None] >= 0)
+                live = live & tok_ok[:, None]
+            else:
+                live = (c < swa_len[:, None]) & tok_ok[:, None]
             slot = _slots(
                 win_table_ptr + req64 * win_table_stride,
                 swa_start[:, None] + c,
@@ -131,14 +153,22 @@ def _prefill_indices_kernel(
                 win_pages,
                 WIN_BS,
             )
-            tl.store(win_ptr + rows64 * win_stride + c, slot, mask=tok_ok[:, None] & (c < WINDOW))
+            tl.store(
+                win_ptr + rows64 * win_stride + c,
+                slot,
+                mask=tok_ok[:, None] & (c < WINDOW + GROUP - 1),
+            )
     if COMP_MODE > 0:  # noqa: SIM102
         if pid_c >= win_tiles:
             topk_len = tl.minimum(tl.maximum((pos + 1) // RATIO, 0), topk)
             if pid_c == win_tiles:
                 tl.store(comp_lens_ptr + toks, topk_len, mask=tok_ok)
             c = ((pid_c - win_tiles) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
-            live = (c < topk_len[:, None]) & tok_ok[:, None]
+            if GROUP > 1:  # every entry of the request (C128A: later tokens' prefixes)
+                entries = tl.minimum(tl.maximum(seq_len // RATIO, 0), topk)
+                live = (c < entries[:, None]) & tok_ok[:, None]
+            else:
+                live = (c < topk_len[:, None]) & tok_ok[:, None]
             if COMP_MODE == 1:
                 entry = tl.load(topk_ptr + rows64 * topk_stride + c, mask=live, other=-1)
             else:

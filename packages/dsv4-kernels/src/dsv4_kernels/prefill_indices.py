@@ -58,11 +58,13 @@ from ._validation import (
     use_triton,
 )
 from .geometry import KV_BLOCK_SIZE, SWA_BLOCK_SIZE, WINDOW_SIZE
-from .reference.prefill_indices import PrefillIndices
+from .reference.prefill_indices import GroupedPrefillIndices, PrefillIndices
 
 __all__ = [
+    "GroupedPrefillIndices",
     "PrefillIndexCase",
     "PrefillIndices",
+    "build_grouped_prefill_indices",
     "build_prefill_indices",
     "make_prefill_index_case",
 ]
@@ -192,6 +194,50 @@ def build_prefill_indices(
             top-k input, nothing to build, and (see ``check_values``) values
             that contradict each other.
     """
+    return _build(
+        query_start_loc,
+        seq_lens,
+        num_tokens=num_tokens,
+        window_block_table=window_block_table,
+        window_block_size=window_block_size,
+        window_size=window_size,
+        compress_ratio=compress_ratio,
+        comp_block_table=comp_block_table,
+        comp_block_size=comp_block_size,
+        topk_indices=topk_indices,
+        topk=topk,
+        window_out=window_out,
+        window_lens_out=window_lens_out,
+        comp_out=comp_out,
+        comp_lens_out=comp_lens_out,
+        check_values=check_values,
+        group=1,
+    )  # type: ignore[return-value]
+
+
+def _build(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_tokens: int,
+    window_block_table: torch.Tensor | None,
+    window_block_size: int,
+    window_size: int,
+    compress_ratio: int | None,
+    comp_block_table: torch.Tensor | None,
+    comp_block_size: int | None,
+    topk_indices: torch.Tensor | None,
+    topk: int | None,
+    window_out: torch.Tensor | None,
+    window_lens_out: torch.Tensor | None,
+    comp_out: torch.Tensor | None,
+    comp_lens_out: torch.Tensor | None,
+    check_values: bool,
+    group: int,
+    grouped: bool = False,
+) -> PrefillIndices | GroupedPrefillIndices:
+    """:func:`build_prefill_indices` (``group == 1``) and
+    :func:`build_grouped_prefill_indices` (``group > 1``): checks, then one launch."""
     check_tensor("query_start_loc", query_start_loc, dtype=INDEX_DTYPES, ndim=1)
     device = query_start_loc.device
     if query_start_loc.shape[0] < 1:
@@ -261,10 +307,12 @@ def build_prefill_indices(
             mode = 2
     if window_block_table is None and mode == 0:
         raise ValueError("nothing to build: give window_block_table and/or compress_ratio 4 or 128")
+    if group > 1 and mode == 1:
+        raise ValueError("C4A rows (a top-k per token) cannot be grouped: build them per token")
     check_out(
         "window_out",
         window_out,
-        (num_tokens, window_size),
+        (num_tokens, window_size + group - 1),
         torch.int32,
         device,
         allow_more_rows=True,
@@ -282,6 +330,20 @@ def build_prefill_indices(
     if not use_triton(device):
         from .reference import prefill_indices as ref
 
+        if grouped:
+            return ref.build_grouped_prefill_indices(
+                query_start_loc,
+                seq_lens,
+                num_tokens=num_tokens,
+                group_size=group,
+                window_block_table=window_block_table,
+                window_block_size=window_block_size,
+                window_size=window_size,
+                comp_block_table=comp_block_table if mode else None,
+                comp_block_size=comp_block_size,
+                compress_ratio=ratio,
+                topk=topk if mode else None,
+            )
         return ref.build_prefill_indices(
             query_start_loc,
             seq_lens,
@@ -308,17 +370,31 @@ def build_prefill_indices(
     has_window = window_block_table is not None
     win = win_lens = comp = comp_lens = None
     if has_window:
-        win = alloc(window_out, (num_tokens, window_size))
+        win = alloc(window_out, (num_tokens, window_size + group - 1))
         win_lens = alloc(window_lens_out, (num_tokens,))
     if mode:
         comp = alloc(comp_out, (num_tokens, topk))
         comp_lens = alloc(comp_lens_out, (num_tokens,))
+    leads = torch.empty((num_tokens,), dtype=torch.int32, device=device) if group > 1 else None
+    starts = None
+    if group > 1 and has_window:
+        starts = torch.empty((num_tokens,), dtype=torch.int32, device=device)
+
+    def result() -> PrefillIndices | GroupedPrefillIndices:
+        if not grouped:
+            return PrefillIndices(win, win_lens, comp, comp_lens)
+        if leads is None:  # groups of one token: each leads itself from column 0
+            ones = torch.arange(num_tokens, dtype=torch.int32, device=device)
+            zeros = torch.zeros_like(ones) if has_window else None
+            return GroupedPrefillIndices(ones, 1, win, zeros, win_lens, comp, comp_lens)
+        return GroupedPrefillIndices(leads, group, win, starts, win_lens, comp, comp_lens)
+
     if num_tokens == 0:
-        return PrefillIndices(win, win_lens, comp, comp_lens)
+        return result()
 
     # Unused pointer arguments get any int32 tensor of the call.
     any_i32 = seq_lens
-    win_tiles = triton.cdiv(window_size, BLOCK_C) if has_window else 0
+    win_tiles = triton.cdiv(window_size + group - 1, BLOCK_C) if has_window else 0
     comp_tiles = triton.cdiv(topk, BLOCK_C) if mode else 0
     grid = (triton.cdiv(num_tokens, BLOCK_T), max(1, win_tiles + comp_tiles))
     _k._prefill_indices_kernel[grid](
@@ -331,6 +407,8 @@ def build_prefill_indices(
         win_lens if win_lens is not None else any_i32,
         comp if comp is not None else any_i32,
         comp_lens if comp_lens is not None else any_i32,
+        leads if leads is not None else any_i32,
+        starts if starts is not None else any_i32,
         window_block_table.stride(0) if has_window else 0,  # type: ignore[union-attr]
         comp_block_table.stride(0) if mode else 0,  # type: ignore[union-attr]
         topk_indices.stride(0) if mode == 1 else 0,  # type: ignore[union-attr]
@@ -351,9 +429,73 @@ def build_prefill_indices(
         BLOCK_T=BLOCK_T,
         BLOCK_C=BLOCK_C,
         BLOCK_R=BLOCK_R,
+        GROUP=group,
         num_warps=NUM_WARPS,
     )
-    return PrefillIndices(win, win_lens, comp, comp_lens)
+    return result()
+
+
+def build_grouped_prefill_indices(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_tokens: int,
+    group_size: int,
+    window_block_table: torch.Tensor | None = None,
+    window_block_size: int = SWA_BLOCK_SIZE,
+    window_size: int = WINDOW_SIZE,
+    comp_block_table: torch.Tensor | None = None,
+    comp_block_size: int | None = None,
+    topk: int | None = None,
+    check_values: bool = False,
+) -> GroupedPrefillIndices:
+    """Grouped index rows for SWA-only and C128A layers, whose consecutive tokens share keys.
+
+    A token's window is the window of the token before it shifted by one, and
+    a C128A token's compressed row is a prefix of the next token's, so
+    ``group_size`` consecutive tokens can read each key once for all of them
+    (:func:`sparse_mla_paged` with ``leads``).  Returns
+    :class:`GroupedPrefillIndices`: each token's leader, the window rows ``[T,
+    W + G - 1]`` with ``window_starts`` and ``window_lens``, the C128A rows
+    ``[T, topk]`` with ``comp_lens`` (C4A's top-k differs per token and is not
+    grouped).  Token ``t``'s keys are exactly those of
+    :func:`build_prefill_indices`'s rows.  One launch, like it.
+
+    Args:
+        query_start_loc, seq_lens, num_tokens, window_block_table,
+            window_block_size, window_size, comp_block_table, comp_block_size,
+            check_values: as in :func:`build_prefill_indices` (the compressed
+            rows are C128A's: ``comp_block_size`` defaults to ``256 // 128``).
+        group_size: tokens per group (``dsv4_kernels.sparse_mla.prefill_group_size``
+            gives the one the kernel takes for a head count on this device).
+        topk: the C128A row width (needed with ``comp_block_table``).
+
+    Raises:
+        ValueError: naming the argument, as :func:`build_prefill_indices`.
+    """
+    group_size = check_positive_int("group_size", group_size)
+    if topk is not None and comp_block_table is None:
+        raise ValueError("topk must be None without comp_block_table")
+    return _build(  # type: ignore[return-value]
+        query_start_loc,
+        seq_lens,
+        num_tokens=num_tokens,
+        window_block_table=window_block_table,
+        window_block_size=window_block_size,
+        window_size=window_size,
+        compress_ratio=128 if comp_block_table is not None else None,
+        comp_block_table=comp_block_table,
+        comp_block_size=comp_block_size,
+        topk_indices=None,
+        topk=topk,
+        window_out=None,
+        window_lens_out=None,
+        comp_out=None,
+        comp_lens_out=None,
+        check_values=check_values,
+        group=group_size,
+        grouped=True,
+    )
 
 
 # --- benchmark and test cases -----------------------------------------------------------

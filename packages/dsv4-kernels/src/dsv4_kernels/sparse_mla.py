@@ -53,6 +53,7 @@ from .geometry import (
     TOKEN_SCALE_BYTES,
     page_stride_bytes,
 )
+from .reference.prefill_indices import expand_grouped_rows
 
 __all__ = ["MAX_HEADS", "sparse_mla_paged", "sparse_mla_workspace"]
 
@@ -154,7 +155,12 @@ def _whole_vectors(*tensors: torch.Tensor) -> bool:
 
 
 def _launch_wgmma(
-    T: int, H: int, args: tuple[Any, ...], meta: dict[str, Any], tiles: dict[str, int]
+    T: int,
+    H: int,
+    args: tuple[Any, ...],
+    meta: dict[str, Any],
+    tiles: dict[str, int],
+    grouping: _Grouping | None = None,
 ) -> bool:
     """Launch the wgmma kernel; False (after one warning) when it does not compile with
     this Triton, so the caller runs the Triton kernel instead."""
@@ -164,15 +170,31 @@ def _launch_wgmma(
 
     hp = 8 if H <= 8 else 16
     nreg = tiles.get("MAXNREG") or (tiles.get("MAXNREG_H8") if hp == 8 else None)
+    grid = T
+    unused = args[5] if len(args) > 5 else q  # any tensor for the unused pointers
+    extra: tuple[Any, ...] = (unused, unused, unused)
+    group_meta: dict[str, Any] = {}
+    if grouping is not None:
+        leads, size, a_st, b_st = grouping
+        grid = triton.cdiv(T, size)
+        extra = (leads, a_st if a_st is not None else leads, b_st if b_st is not None else leads)
+        group_meta = dict(G=size, A_HAS_STARTS=a_st is not None, B_HAS_STARTS=b_st is not None)
+        nreg = None  # more rows than the cap was measured for
     try:
-        g._sparse_mla_wgmma_kernel[(T,)](
+        g._sparse_mla_wgmma_kernel[(grid,)](
             *args,
+            *extra,
             **meta,
+            **group_meta,
             DATA_BYTES=TOKEN_DATA_BYTES,
             SCALE_BYTES=TOKEN_SCALE_BYTES,
-            HP=hp,
+            HT=hp,
             ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
-            REG_A=bool(tiles.get("REG_A", tiles.get("REG_A_H8", 0) if hp == 8 else 0)),
+            REG_A=bool(
+                tiles.get("REG_A_G", 0)
+                if grouping is not None
+                else tiles.get("REG_A", tiles.get("REG_A_H8", 0) if hp == 8 else 0)
+            ),
             IO_VEC=bool(tiles.get("IO_VEC", 1)) and _whole_vectors(q, out),
             num_warps=4,
             **({"maxnreg": nreg} if nreg else {}),
@@ -191,6 +213,65 @@ def _launch_wgmma(
         )
         return False
     return True
+
+
+_Grouping = tuple[torch.Tensor, int, "torch.Tensor | None", "torch.Tensor | None"]
+# The most MMA rows (a group's tokens x heads padded to 8 or 16) the wgmma kernel takes.
+MAX_GROUP_ROWS = 32
+
+
+def group_rows(num_heads: int, group_size: int) -> int:
+    """MMA rows of a group in the wgmma kernel: ``group_size`` x heads padded to 8 or 16."""
+    return group_size * (8 if num_heads <= 8 else 16)
+
+
+def _groups_run(q: torch.Tensor) -> bool:
+    """Whether grouped rows can reach the wgmma kernel for this q (else they are expanded)."""
+    return _wgmma_ok(q, TILES["small" if q.shape[1] <= SMALL_HEADS else "large"], True, True)
+
+
+def prefill_group_size(q: torch.Tensor) -> int:
+    """Tokens per group that the grouped rows should have for these queries on this
+    device: the most whose rows fit the wgmma kernel (``MAX_GROUP_ROWS``) where it runs
+    (Hopper, up to 16 heads), else 1 (grouping would only be expanded again)."""
+    if q.shape[1] > SMALL_HEADS or not _groups_run(q):
+        return 1
+    return max(1, MAX_GROUP_ROWS // group_rows(q.shape[1], 1))
+
+
+def _check_groups(
+    leads: object,
+    group_size: object,
+    swa_starts: object,
+    comp_starts: object,
+    has_comp: bool,
+    num_tokens: int,
+    device: torch.device,
+) -> _Grouping | None:
+    """Validate the grouped-rows arguments (no synchronisation); None without leads."""
+    if leads is None:
+        for name, v in (("swa_starts", swa_starts), ("comp_starts", comp_starts)):
+            if v is not None:
+                raise ValueError(f"{name} is only meaningful with leads (grouped rows)")
+        return None
+    size = check_positive_int("group_size", group_size)
+    g = check_tensor("leads", leads, dtype=torch.int32, ndim=1, device=device)
+    if g.shape[0] != num_tokens:
+        raise ValueError(
+            f"leads must have {num_tokens} entries (one per query token), got {g.shape[0]}"
+        )
+    if comp_starts is not None and not has_comp:
+        raise ValueError("comp_starts given without comp_cache / comp_indices")
+    starts = []
+    for name, v in (("swa_starts", swa_starts), ("comp_starts", comp_starts)):
+        if v is not None:
+            v = check_tensor(name, v, dtype=torch.int32, ndim=1, device=device)
+            if v.shape[0] != num_tokens:
+                raise ValueError(
+                    f"{name} must have {num_tokens} entries (one per query token), got {v.shape[0]}"
+                )
+        starts.append(v)
+    return (g, size, starts[0], starts[1])
 
 
 def _block_h(num_heads: int, max_block_h: int) -> int:
@@ -315,6 +396,10 @@ def sparse_mla_paged(
     comp_block_size: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    leads: torch.Tensor | None = None,
+    group_size: int = 1,
+    swa_starts: torch.Tensor | None = None,
+    comp_starts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with sink over keys read from FP8 (UE8M0) paged K caches.
 
@@ -344,6 +429,15 @@ def sparse_mla_paged(
         comp_block_size: entries per compressed page (``256 // compress_ratio``).
         out: optional ``[T, H, 512]`` bf16 output buffer (contiguous last dim).
         lse: optional ``[T, H]`` float32 output buffer.
+        leads: grouped rows (:func:`dsv4_kernels.build_grouped_prefill_indices`):
+            ``[T]`` int32 leader of each token, in ``[G * (t // G), t]`` for
+            ``G = group_size``; token ``t`` then reads the rows of ``leads[t]``,
+            columns ``starts[t] .. starts[t] + lens[t] - 1``, and the tokens of
+            a group share each key's load and dequantisation (the wgmma kernel;
+            other paths expand the rows per token).
+        group_size: tokens per group of ``leads`` (a host int).
+        swa_starts, comp_starts: ``[T]`` int32 first columns (with ``leads``
+            only; None: 0).
 
     Returns:
         ``(out, lse)``: ``[T, H, 512]`` bf16 and ``[T, H]`` float32 (lse
@@ -353,7 +447,7 @@ def sparse_mla_paged(
         ValueError: naming the argument, for a head size other than 512, H
             outside 1..128, wrong dtypes, ranks, devices or shapes, a page
             stride smaller than a page or inner strides other than (584, 1),
-            compressed arguments given partly.
+            compressed arguments given partly, starts without leads.
     """
     q = _check_q(q)
     device = q.device
@@ -378,6 +472,15 @@ def sparse_mla_paged(
         b_stride = _check_page_cache("comp_cache", comp_cache, comp_block_size, device)
         b_idx, b_lens = _check_rows("comp_indices", comp_indices, "comp_lens", comp_lens, T, device)
     sink, out, lse = _check_sink_and_outputs(q, attn_sink, out, lse)
+    grouping = _check_groups(
+        leads, group_size, swa_starts, comp_starts, b_idx is not None, T, device
+    )
+    if grouping is not None and not (use_triton(device) and _groups_run(q)):
+        # paths without grouped tiles read the same keys from per-token rows
+        a_idx, a_lens = expand_grouped_rows(grouping[0], a_idx, a_lens, grouping[2], T)
+        if b_idx is not None:
+            b_idx, b_lens = expand_grouped_rows(grouping[0], b_idx, b_lens, grouping[3], T)
+        grouping = None
     if not use_triton(device):
         from .reference import sparse_mla as ref
 
@@ -413,6 +516,7 @@ def sparse_mla_paged(
         b_slots=comp_block_size or 1,
         scale=scale,
         aligned=aligned,
+        grouping=grouping,
     )
     return out, lse
 
@@ -497,6 +601,7 @@ def _launch(
     b_slots: int,
     scale: float,
     aligned: bool,
+    grouping: _Grouping | None = None,
 ) -> None:
     """Launch the kernel (inputs already validated).
 
@@ -549,7 +654,23 @@ def _launch(
         B_HAS_LENS=b_lens is not None,
         HAS_SINK=sink is not None,
     )
-    if _wgmma_ok(q, tiles, a_paged, aligned) and _launch_wgmma(T, H, args, sources, tiles):
+    fits = grouping is None or (grouping[1] > 1 and group_rows(H, grouping[1]) <= MAX_GROUP_ROWS)
+    if (
+        fits
+        and _wgmma_ok(q, tiles, a_paged, aligned)
+        and _launch_wgmma(T, H, args, sources, tiles, grouping)
+    ):
+        return
+    if grouping is not None:  # the wgmma kernel did not build: per-token rows
+        g, _, a_st, b_st = grouping
+        a_idx, a_lens = expand_grouped_rows(g, a_idx, a_lens, a_st, T)
+        if b is not None:
+            b_idx, b_lens = expand_grouped_rows(g, b_idx, b_lens, b_st, T)
+        _launch(
+            q, out, lse, sink, a=(a_src, a_idx, a_lens, a_stride, a_rows), a_slots=a_slots,
+            a_paged=a_paged, b=None if b is None else (b_src, b_idx, b_lens, b_stride, b_rows),
+            b_slots=b_slots, scale=scale, aligned=aligned,
+        )  # fmt: skip
         return
     meta = dict(
         **sources,

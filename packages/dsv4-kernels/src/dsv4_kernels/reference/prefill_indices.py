@@ -12,7 +12,13 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["PrefillIndices", "build_prefill_indices"]
+__all__ = [
+    "GroupedPrefillIndices",
+    "PrefillIndices",
+    "build_grouped_prefill_indices",
+    "build_prefill_indices",
+    "expand_grouped_rows",
+]
 
 
 class PrefillIndices(NamedTuple):
@@ -124,3 +130,97 @@ def build_prefill_indices(
         comp_lens = comp_lens_out[:num_tokens].copy_(topk_len)
 
     return PrefillIndices(window, window_lens, comp, comp_lens)
+
+
+class GroupedPrefillIndices(NamedTuple):
+    """Index rows of one prefill chunk whose tokens share their keys in groups.
+
+    The chunk's tokens ``G k .. G k + G - 1`` (``G = group_size``) form a group;
+    within it each request's first token is its *leader* (``leads[t]``, the
+    group's first token or the first token of a request starting inside it).
+    Each source's rows are ``[T, width]`` as in :class:`PrefillIndices`, but
+    token ``t`` reads the row of its leader, columns ``starts[t] .. starts[t] +
+    lens[t] - 1`` (``comp_starts``: 0).  The window rows are ``W + G - 1``
+    wide and every row is filled past its own length with its request's later
+    slots, so a leader's row holds every key of the tokens it leads.
+    """
+
+    leads: torch.Tensor
+    group_size: int
+    window: torch.Tensor | None
+    window_starts: torch.Tensor | None
+    window_lens: torch.Tensor | None
+    comp: torch.Tensor | None
+    comp_lens: torch.Tensor | None
+
+
+def build_grouped_prefill_indices(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    num_tokens: int,
+    group_size: int,
+    window_block_table: torch.Tensor | None = None,
+    window_block_size: int = 64,
+    window_size: int = 128,
+    comp_block_table: torch.Tensor | None = None,
+    comp_block_size: int | None = None,
+    compress_ratio: int = 128,
+    topk: int | None = None,
+) -> GroupedPrefillIndices:
+    """Reference of :func:`dsv4_kernels.build_grouped_prefill_indices` (same contract)."""
+    device = query_start_loc.device
+    req, pos = _positions(query_start_loc, seq_lens, num_tokens)
+    qsl = query_start_loc.long() - query_start_loc[:1].long()
+    t = torch.arange(num_tokens, device=device)
+    num_reqs = qsl.shape[0] - 1
+    seq = seq_lens[:num_reqs].long().to(device)[req] if num_reqs else pos + 1
+    g = group_size
+    q_first = qsl[req] if num_reqs else t
+    leads = torch.maximum(torch.div(t, g, rounding_mode="floor") * g, q_first)
+    window = window_starts = window_lens = comp = comp_lens = None
+    if window_block_table is not None:
+        w = window_size
+        start = (pos - (w - 1)).clamp(min=0)
+        lead_start = (pos - (t - leads) - (w - 1)).clamp(min=0)
+        window_starts = (start - lead_start).to(torch.int32)
+        window_lens = torch.minimum(pos + 1, torch.full_like(pos, w)).clamp(min=0).to(torch.int32)
+        c = torch.arange(w + g - 1, device=device)[None, :]
+        p = start[:, None] + c
+        live = (p < seq[:, None]) & (pos[:, None] >= 0)
+        window = _slots(req, p, live, window_block_table, window_block_size).to(torch.int32)
+    if comp_block_table is not None:
+        assert topk is not None and comp_block_size is not None
+        comp_lens = torch.div(pos + 1, compress_ratio, rounding_mode="floor").clamp(0, topk)
+        entries = torch.div(seq, compress_ratio, rounding_mode="floor").clamp(0, topk)
+        c = torch.arange(topk, device=device)[None, :]
+        live = c < entries[:, None]
+        comp = _slots(req, c.expand(num_tokens, topk), live, comp_block_table, comp_block_size)
+        comp = comp.to(torch.int32)
+        comp_lens = comp_lens.to(torch.int32)
+    return GroupedPrefillIndices(
+        leads.to(torch.int32), g, window, window_starts, window_lens, comp, comp_lens
+    )
+
+
+def expand_grouped_rows(
+    leads: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor | None,
+    starts: torch.Tensor | None,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rows (``[T, width]``, -1 past each length) and lengths equivalent to
+    grouped rows: token ``t``'s columns ``starts[t] ..`` of its leader's row."""
+    device = rows.device
+    width = rows.shape[1]
+    t = torch.arange(num_tokens, device=device)
+    first = leads[:num_tokens].long().clamp(0, max(rows.shape[0] - 1, 0))
+    st = starts[:num_tokens].long() if starts is not None else torch.zeros_like(t)
+    ln = lens[:num_tokens].long() if lens is not None else torch.full_like(t, width)
+    ln = torch.minimum(ln.clamp(min=0), (width - st).clamp(min=0))
+    c = torch.arange(width, device=device)[None, :]
+    src = st[:, None] + c
+    valid = c < ln[:, None]
+    picked = rows[first[:, None], src.clamp(0, max(width - 1, 0))] if width else rows[first]
+    return torch.where(valid, picked, -1).to(torch.int32), ln.to(torch.int32)
