@@ -16,6 +16,12 @@ NaN-free; a strided sample of tokens against the float32 reference):
 * ``dsv4-kernels+index``: the same plus building those rows
   (:func:`dsv4_kernels.build_prefill_indices`, one launch per call here; vLLM
   would build them once per layer type and step, so this is an upper bound);
+* ``dsv4-kernels-grouped+index``: SWA-only and C128A layers, whose neighbouring
+  tokens share keys: grouped rows (:func:`dsv4_kernels.build_grouped_prefill_indices`,
+  one launch) and :func:`dsv4_kernels.sparse_mla_paged` on them, each key loaded and
+  dequantised once per group of ``prefill_group_size`` tokens (4 at 8 heads, 2 at
+  16 on Hopper; the layer forward's choice); absent where it does not group
+  (C4A, 64 heads; on a CPU smoke run it groups 2 tokens through the per-token path);
 * ``dsv4-kernels-workspace``: :func:`dsv4_kernels.sparse_mla_workspace` on
   vLLM's bf16 workspace and combined rows;
 * ``flashmla-64h``: FlashMLA's ``flash_mla_sparse_fwd`` with heads padded to
@@ -52,6 +58,7 @@ KERNEL = "sparse_mla"
 OURS = "dsv4-kernels"
 OURS_INDEX = "dsv4-kernels+index"
 OURS_WS = "dsv4-kernels-workspace"
+OURS_GROUPED = "dsv4-kernels-grouped+index"
 FLASHMLA = "flashmla-64h"
 FLASHMLA_GATHER = "flashmla-64h+gather"
 SCALE = 512**-0.5
@@ -133,6 +140,44 @@ class AttnInputs:
             kw.update(comp_indices=r.comp, comp_lens=r.comp_lens)
         dk.sparse_mla_paged(
             self.q, self.swa_cache, r.window, r.window_lens, SCALE, out=out, lse=lse, **kw
+        )
+
+    def build_grouped(self, group_size: int) -> Any:
+        """Grouped rows (``GroupedPrefillIndices``) of this SWA-only or C128A chunk."""
+        import dsv4_kernels as dk
+
+        c = self.index_case
+        comp = self.comp_cache is not None
+        return dk.build_grouped_prefill_indices(
+            c.query_start_loc,
+            c.seq_lens,
+            num_tokens=c.num_tokens,
+            group_size=group_size,
+            window_block_table=c.window_block_table,
+            comp_block_table=c.comp_block_table if comp else None,
+            comp_block_size=self.comp_block_size if comp else None,
+            topk=c.topk if comp else None,
+        )
+
+    def run_grouped(self, out: torch.Tensor, lse: torch.Tensor, rows: Any) -> None:
+        """Attention on grouped rows (from :meth:`build_grouped`)."""
+        import dsv4_kernels as dk
+
+        kw = self.paged_kwargs()
+        if self.comp_cache is not None:
+            kw.update(comp_indices=rows.comp, comp_lens=rows.comp_lens)
+        dk.sparse_mla_paged(
+            self.q,
+            self.swa_cache,
+            rows.window,
+            rows.window_lens,
+            SCALE,
+            out=out,
+            lse=lse,
+            leads=rows.leads,
+            group_size=rows.group_size,
+            swa_starts=rows.window_starts,
+            **kw,
         )
 
     def run_workspace(self, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -339,6 +384,18 @@ def index_build_provider(
     return run
 
 
+def grouped_size(inp: AttnInputs) -> int:
+    """Tokens per group for the grouped provider (0: none for this case)."""
+    from dsv4_kernels.sparse_mla import prefill_group_size
+
+    if inp.shape.layer == "c4a":
+        return 0
+    size = prefill_group_size(inp.q)
+    if size == 1:
+        return 2 if inp.q.device.type == "cpu" else 0
+    return size
+
+
 def floor_bytes(inp: AttnInputs) -> int:
     T, H, _ = inp.q.shape
     keys = int(valid_keys(inp).sum())
@@ -387,6 +444,15 @@ def build_cases(
             ours(OURS_INDEX, index_build_provider(inp, out, lse)),
             ours(OURS_WS, lambda i=inp, o=out, l=lse: i.run_workspace(o, l)),
         ]
+        group = grouped_size(inp)
+        if group:
+            providers.insert(
+                2,
+                ours(
+                    OURS_GROUPED,
+                    lambda i=inp, o=out, l=lse, g=group: i.run_grouped(o, l, i.build_grouped(g)),
+                ),
+            )
         if fmla is not None:
             fm = PaddedFlashMLA(
                 inp.q, inp.workspace, inp.combined, inp.combined_lens, SCALE, inp.sink
@@ -424,6 +490,7 @@ def build_cases(
                     "topk": shape.topk if shape.layer == "c4a" else inp.topk_width,
                     "keys_mean": float(keys.float().mean()),
                     "keys_total": int(keys.sum()),
+                    "group_size": group,
                     "seed": seed,
                 },
             )

@@ -55,22 +55,27 @@ def test_every_replaced_name_has_a_signature_and_consumers() -> None:
 
 
 @pytest.mark.parametrize(
-    ("major", "wgmma", "heads"),
+    ("major", "wgmma", "heads", "shared_heads"),
     [
-        (9, True, 8),
-        (9, False, 0),
-        (10, True, 0),
-        (8, True, 128),
-        (12, True, 128),
-        (None, True, 128),
+        (9, True, 8, 16),
+        (9, False, 0, 0),
+        (10, True, 0, 0),
+        (8, True, 128, 128),
+        (12, True, 128, 128),
+        (None, True, 128, 128),
     ],
     ids=["hopper", "hopper-without-gluon", "blackwell", "ampere", "sm120", "no-device"],
 )
 def test_default_head_limit_follows_the_measurements(
-    major: int | None, wgmma: bool, heads: int, monkeypatch: pytest.MonkeyPatch
+    major: int | None,
+    wgmma: bool,
+    heads: int,
+    shared_heads: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Hopper with the wgmma kernel: up to 8 local heads (measured faster than FlashMLA
-    there); Blackwell: off (FlashMLA); GPUs without FlashMLA: every head count."""
+    """Hopper with the wgmma kernel: up to 8 local heads on C4A layers, 16 on SWA-only and
+    C128A layers (measured faster than FlashMLA there); Blackwell: off (FlashMLA); GPUs
+    without FlashMLA: every head count."""
     import types
 
     from dsv4_attention import vllm_backend
@@ -87,7 +92,10 @@ def test_default_head_limit_follows_the_measurements(
     vllm_backend._default_max_heads.cache_clear()
     try:
         assert vllm_backend.max_heads() == heads
-        monkeypatch.setenv(vllm_backend.ENV_MAX_HEADS, "16")
-        assert vllm_backend.max_heads() == 16  # the switch overrides the default
+        assert vllm_backend.max_heads(4) == heads
+        assert vllm_backend.max_heads(1) == vllm_backend.max_heads(128) == shared_heads
+        monkeypatch.setenv(vllm_backend.ENV_MAX_HEADS, "12")
+        # the switch overrides the default for every layer type
+        assert [vllm_backend.max_heads(r) for r in (1, 4, 128)] == [12, 12, 12]
     finally:
         vllm_backend._default_max_heads.cache_clear()

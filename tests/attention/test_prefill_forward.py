@@ -92,6 +92,7 @@ def run_scenario(
     padded_heads: int,
     spare_rows: int = 2,
     expect_launches: Callable[[int], int] | None = None,
+    group_size: int | None = None,
 ) -> None:
     H = sc.heads
     for s in range(len(sc.steps)):
@@ -109,7 +110,9 @@ def run_scenario(
             ).to(sc.device)
             lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=sc.device)
             kw = layer_kwargs(sc, layer, inputs)
-            got = forward_prefill(q_pad[:, :H], plan, out=out_pad[:, :H], lse=lse, **kw)
+            got = forward_prefill(
+                q_pad[:, :H], plan, out=out_pad[:, :H], lse=lse, group_size=group_size, **kw
+            )
             assert got.data_ptr() == out_pad.data_ptr() and got.shape == (T, H, 512)
             o = out_pad.cpu().float()
             assert bool(torch.isfinite(o[:T, :H]).all()), f"{what}: unwritten or non-finite out"
@@ -168,6 +171,20 @@ def test_dsv4_shaped_prefill() -> None:
     # One index launch per layer type and step: the window rows (reused by the
     # other layers), the C4A rows, the C128A rows.
     run_scenario(sc, ["swa", "c4a", "c128a"], padded_heads=8, expect_launches=lambda s: 3)
+
+
+@pytest.mark.parametrize("group", [2, 3, 4])
+def test_dsv4_shaped_prefill_grouped(group: int) -> None:
+    """SWA-only and C128A layers on grouped rows (tokens sharing keys; here expanded per
+    token, since the kernel that consumes them unexpanded runs on Hopper only)."""
+    sc = Scenario(
+        CPU_STEPS, heads=3, topk=16, c128a_topk=32, seed=fresh_seed(), device=kernel_device()
+    )
+    # grouped window rows (SWA layer), the C4A rows with their own per-token window
+    # rows, then the grouped C128A rows (the grouped window rows reused)
+    run_scenario(
+        sc, ["swa", "c4a", "c128a"], padded_heads=8, expect_launches=lambda s: 3, group_size=group
+    )
 
 
 def test_plan_reuses_rows_across_layers_of_a_type() -> None:

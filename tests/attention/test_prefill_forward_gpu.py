@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dsv4_attention.prefill import PrefillPlan, forward_prefill
+from dsv4_kernels.sparse_mla import prefill_group_size
 from dsv4_kernels.testing import fresh_seed
 from dsv4_kernels.testing.sparse_mla import random_q
 
@@ -41,9 +42,20 @@ def gpu() -> torch.device:
 def test_dsv4_shaped_prefill_gpu(heads: int, gpu: torch.device) -> None:
     # vLLM's C128A width: next power of two of max_seq_len // 128, at least 128
     sc = Scenario(GPU_STEPS, heads=heads, topk=512, c128a_topk=256, seed=fresh_seed(), device=gpu)
-    # C4A first: its window and C4A rows come from one fused launch, the SWA
-    # layer reuses the window rows, the C128A layer adds one launch
-    run_scenario(sc, ["c4a", "swa", "c128a"], padded_heads=64, expect_launches=lambda s: 2)
+    # C4A first: its window and C4A rows come from one fused launch; the SWA layer
+    # reuses the window rows, the C128A layer adds one launch; where the forward groups
+    # tokens (Hopper, up to 16 heads) the SWA and C128A layers take grouped rows
+    # instead: one launch for the SWA layer's, one for the C128A layer's
+    q = torch.empty((1, heads, 512), dtype=torch.bfloat16, device=gpu)
+    launches = 2 if prefill_group_size(q) == 1 else 3
+    run_scenario(sc, ["c4a", "swa", "c128a"], padded_heads=64, expect_launches=lambda s: launches)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_dsv4_shaped_prefill_group_sizes_gpu(group: int, gpu: torch.device) -> None:
+    """Each group size the forward may pick (and 1: per-token rows) at 8 heads."""
+    sc = Scenario(GPU_STEPS, heads=8, topk=512, c128a_topk=256, seed=fresh_seed(), device=gpu)
+    run_scenario(sc, ["swa", "c128a"], padded_heads=64, group_size=group)
 
 
 def test_c128a_clamped_rows_gpu(gpu: torch.device) -> None:

@@ -381,3 +381,89 @@ def test_wgmma_kernel_with_unaligned_q_and_out(
     inp.run_paged(out2, lse2)
     assert launched == [True, True], f"the wgmma kernel ran {launched} (seed {seed})"
     assert torch.equal(out2, out) and torch.equal(lse2, lse), f"seed {seed}"
+
+
+def _no_expansion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail if grouped rows are expanded per token (the wgmma kernel must take them)."""
+    from dsv4_kernels import sparse_mla as sm
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("grouped rows were expanded per token")
+
+    monkeypatch.setattr(sm, "expand_grouped_rows", refuse)
+
+
+@pytest.mark.parametrize("heads, group", [(1, 4), (3, 2), (8, 2), (8, 4), (16, 2), (16, 4)])
+@pytest.mark.parametrize("layer", ["swa", "c128a"])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_grouped_rows_match_reference_and_per_token(
+    heads: int, group: int, layer: str, fresh: bool, gpu: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Grouped rows through the wgmma kernel (or, past 32 MMA rows, expanded per token):
+    every element written, a token sample against the float32 reference, all tokens
+    against the per-token rows."""
+    from dsv4_kernels import sparse_mla as sm
+
+    seed = fresh_seed()
+    inp = cs.make_inputs(_shape(layer, heads, fresh=fresh), gpu, seed)
+    per = _paged_against_reference(inp, gpu, f"per-token, seed {seed}")
+    rows = inp.build_grouped(group)
+    if sm.group_rows(heads, group) <= sm.MAX_GROUP_ROWS:
+        _no_expansion(monkeypatch)
+    out, lse = _outputs(inp)
+    inp.run_grouped(out, lse, rows)
+    _written(out, lse)
+    tokens = cs.check_tokens(out.shape[0], gpu)
+    want = cs.reference_sample(inp, tokens)
+    cs.assert_close_attention((out[tokens], lse[tokens]), want, f"grouped {group}, seed {seed}")
+    cs.assert_close_attention((out, lse), per, f"grouped {group} vs per-token, seed {seed}")
+
+
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("layer", ["swa", "c128a"])
+def test_grouped_rows_with_requests_inside_groups(
+    group: int, layer: str, gpu: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests shorter than a group and starting inside one (several leaders per group),
+    empty requests, cached prefixes: every token against the float32 reference."""
+    from dsv4_kernels import reference as ref
+    from dsv4_kernels.prefill_indices import make_prefill_index_case
+
+    seed = fresh_seed()
+    g = torch.Generator(device=gpu).manual_seed(seed)
+    ratio = 128 if layer == "c128a" else 1
+    case = make_prefill_index_case(
+        [5, 1, 0, 300, 2, 77, 3, 1], [0, 900, 40, 3000, 127, 5, 20000, 1],
+        compress_ratio=ratio, device=gpu, seed=seed,
+    )  # fmt: skip
+    T, H = case.num_tokens, 8
+    q = ts.random_q(T, H, generator=g, device=gpu)
+    sink = ts.random_sink(H, generator=g, device=gpu)
+    swa = ts.paged_cache(case.window_num_pages, 64, generator=g, device=gpu).cache
+    kw: dict[str, object] = dict(swa_block_size=64, attn_sink=sink)
+    per = case.build()
+    if ratio > 1:
+        comp = ts.paged_cache(case.comp_num_pages, case.comp_block_size, generator=g, device=gpu)
+        kw.update(comp_cache=comp.cache, comp_block_size=case.comp_block_size)
+    want = ref.sparse_mla_paged(
+        q, swa, per.window, per.window_lens, SCALE, comp_indices=per.comp,
+        comp_lens=per.comp_lens, **kw,
+    )  # fmt: skip
+    rows = dk.build_grouped_prefill_indices(
+        case.query_start_loc, case.seq_lens, num_tokens=T, group_size=group,
+        window_block_table=case.window_block_table,
+        comp_block_table=case.comp_block_table if ratio > 1 else None,
+        comp_block_size=case.comp_block_size if ratio > 1 else None,
+        topk=case.topk if ratio > 1 else None,
+    )  # fmt: skip
+    _no_expansion(monkeypatch)
+    out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=gpu)
+    lse = torch.full((T, H), float("nan"), device=gpu)
+    dk.sparse_mla_paged(
+        q, swa, rows.window, rows.window_lens, SCALE, comp_indices=rows.comp,
+        comp_lens=rows.comp_lens, leads=rows.leads, group_size=group,
+        swa_starts=rows.window_starts, out=out, lse=lse, **kw,
+    )  # fmt: skip
+    _written(out, lse)
+    cs.assert_close_attention((out, lse), want, f"grouped {group}, seed {seed}")

@@ -219,20 +219,23 @@ def _plan() -> tuple[list[_Patch], str]:
     labels = list(names)
     from .vllm_backend import ENV_MAX_HEADS, max_heads
 
-    heads = max_heads()
+    heads, shared_heads = max_heads(4), max_heads(1)
     if _flag(ENV_PREFILL_DISABLE):
         prefill = f"prefill stays vLLM's ({ENV_PREFILL_DISABLE}=1)"
-    elif heads <= 0:
+    elif max(heads, shared_heads) <= 0:
         prefill = (
             "prefill stays vLLM's (its FlashMLA prefill is measured faster on this GPU; "
             f"{ENV_MAX_HEADS}=N enables the head-exact prefill up to N local heads)"
         )
     else:
         patches.append(_attention_patch())
-        labels.append(
-            f"DeepseekV4FlashMLAAttention._forward_prefill (head-exact prefill up to {heads} "
-            "local heads)"
+        limit = (
+            f"up to {heads} local heads"
+            if heads == shared_heads
+            else f"up to {heads} local heads on C4A layers, {shared_heads} on SWA-only and "
+            "C128A layers"
         )
+        labels.append(f"DeepseekV4FlashMLAAttention._forward_prefill (head-exact prefill {limit})")
         prefill = ""
     summary = f"({platform}); replaced: {', '.join(labels)}"
     return patches, f"{summary}; {prefill}" if prefill else summary

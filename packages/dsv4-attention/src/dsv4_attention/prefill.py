@@ -41,6 +41,7 @@ import torch
 
 import dsv4_kernels as dk
 from dsv4_kernels import reference as dk_ref
+from dsv4_kernels import sparse_mla
 from dsv4_kernels.geometry import KV_BLOCK_SIZE, SWA_BLOCK_SIZE, WINDOW_SIZE
 from dsv4_kernels.reference import sparse_mla as ref_attention
 
@@ -103,6 +104,8 @@ class PrefillPlan:
         self.window_size = window_size
         self.check_values = check_values
         self._rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # grouped rows: (the block table, to keep it alive; the rows built with it)
+        self._grouped: dict[tuple[Any, ...], tuple[torch.Tensor, Any]] = {}
         self.launches = 0  # index-build launches so far (for tests and logs)
 
     def _build(self, **kwargs: Any) -> dk.PrefillIndices:
@@ -126,16 +129,30 @@ class PrefillPlan:
         comp_block_size: int | None = None,
         topk_indices: torch.Tensor | None = None,
         c128a_topk: int | None = None,
-    ) -> dk.PrefillIndices:
+        group_size: int = 1,
+    ) -> dk.PrefillIndices | dk.GroupedPrefillIndices:
         """The index rows of one layer: cached window / C128A rows, fresh C4A rows.
 
         At most one launch: a C128A layer whose window and C128A rows are both
         missing builds them together; a C4A layer builds its top-k rows (and
-        the window rows with them when they are missing).
+        the window rows with them when they are missing).  With ``group_size >
+        1`` an SWA-only or C128A layer gets grouped rows
+        (:func:`dsv4_kernels.build_grouped_prefill_indices`, cached per group
+        size like the others); C4A rows are always per token.
         """
         comp_block_size = _check_comp_args(
             compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
         )
+        if group_size > 1 and compress_ratio != 4:
+            return self._grouped_rows(
+                compress_ratio,
+                group_size,
+                window_block_table,
+                window_block_size,
+                comp_block_table,
+                comp_block_size,
+                c128a_topk,
+            )
         wkey = _table_key("window", window_block_table, window_block_size)
         window = self._rows.get(wkey)
         comp = comp_lens = None
@@ -169,6 +186,61 @@ class PrefillPlan:
                     assert comp is not None and comp_lens is not None
                     self._rows[ckey] = (comp_block_table, comp, comp_lens)  # type: ignore[assignment]
         return dk.PrefillIndices(window[1], window[2], comp, comp_lens)
+
+    def _grouped_rows(
+        self,
+        compress_ratio: int,
+        group_size: int,
+        window_block_table: torch.Tensor,
+        window_block_size: int,
+        comp_block_table: torch.Tensor | None,
+        comp_block_size: int | None,
+        c128a_topk: int | None,
+    ) -> dk.GroupedPrefillIndices:
+        """Grouped rows of an SWA-only or C128A layer: the window part is cached per
+        window table and group size, the C128A part per compressed table too; one
+        launch builds whatever is missing."""
+        wkey = _table_key("grouped-window", window_block_table, window_block_size, group_size)
+        ckey = None
+        if compress_ratio == 128:
+            assert comp_block_table is not None and c128a_topk is not None
+            ckey = _table_key(
+                "grouped-c128a", comp_block_table, comp_block_size or 2, c128a_topk, group_size
+            )
+        window = self._grouped.get(wkey)
+        comp = self._grouped.get(ckey) if ckey is not None else None
+        if window is None or (ckey is not None and comp is None):
+            self.launches += 1
+            built = dk.build_grouped_prefill_indices(
+                self.query_start_loc,
+                self.seq_lens,
+                num_tokens=self.num_tokens,
+                group_size=group_size,
+                window_block_table=window_block_table if window is None else None,
+                window_block_size=window_block_size,
+                window_size=self.window_size,
+                comp_block_table=comp_block_table if ckey is not None and comp is None else None,
+                comp_block_size=comp_block_size,
+                topk=c128a_topk if ckey is not None and comp is None else None,
+                check_values=self.check_values,
+            )
+            if window is None:
+                window = (window_block_table, built)
+                self._grouped[wkey] = window
+            if ckey is not None and comp is None:
+                comp = (comp_block_table, built)
+                self._grouped[ckey] = comp
+        w = window[1]
+        c = comp[1] if comp is not None else None
+        return dk.GroupedPrefillIndices(
+            w.leads,
+            group_size,
+            w.window,
+            w.window_starts,
+            w.window_lens,
+            None if c is None else c.comp,
+            None if c is None else c.comp_lens,
+        )
 
 
 def _check_ratio(compress_ratio: object) -> None:
@@ -261,6 +333,7 @@ def forward_prefill(
     attn_sink: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> torch.Tensor:
     """Prefill attention of one DSV4 layer on its real heads, reading the FP8 pages.
 
@@ -288,6 +361,12 @@ def forward_prefill(
             ``output[:, :n_local_heads]`` of vLLM's padded buffer); its first
             ``T`` rows are written, nothing else.  Allocated when None.
         lse: optional ``[T, H]`` float32 buffer for the lse (without the sink).
+        group_size: SWA-only and C128A layers: tokens per group of grouped rows
+            (neighbouring tokens share keys, which the Hopper kernel then loads
+            and dequantises once per group); None picks
+            :func:`dsv4_kernels.sparse_mla.prefill_group_size` (4 at up to 8
+            heads and 2 at 16 on Hopper, else 1: per-token rows).  C4A layers
+            always use per-token rows.
 
     Returns:
         The ``[T, H, 512]`` output (the first ``T`` rows of ``out``).
@@ -303,6 +382,8 @@ def forward_prefill(
         compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
     )
     T = plan.num_tokens
+    if group_size is None:
+        group_size = sparse_mla.prefill_group_size(q) if compress_ratio != 4 else 1
     rows = plan.layer_rows(
         compress_ratio,
         window_block_table=swa_block_table,
@@ -311,8 +392,12 @@ def forward_prefill(
         comp_block_size=comp_block_size,
         topk_indices=topk_indices,
         c128a_topk=c128a_topk,
+        group_size=group_size,
     )
     assert rows.window is not None
+    grouped: dict[str, Any] = {}
+    if isinstance(rows, dk.GroupedPrefillIndices):
+        grouped = dict(leads=rows.leads, group_size=rows.group_size, swa_starts=rows.window_starts)
     result, _ = dk.sparse_mla_paged(
         q[:T],
         swa_cache,
@@ -327,6 +412,7 @@ def forward_prefill(
         comp_block_size=comp_block_size,
         out=None if out is None else out[:T],
         lse=lse,
+        **grouped,
     )
     return result
 

@@ -28,20 +28,22 @@ ENV_MAX_HEADS = "DSV4_PREFILL_MAX_HEADS"
 # Compute capabilities where vLLM's FlashMLA prefill runs (Hopper, Blackwell).
 # On Hopper our Gluon wgmma kernel (dsv4_kernels._gluon_sparse_mla) is measured
 # faster than FlashMLA padded to 64 heads (plus vLLM's gather and combine) at 8
-# local heads (V4-Flash TP8) for every layer type, and slower at 16 (V4-Pro TP8,
-# C4A) on the H200 (docs/attention.md), so the head-exact prefill takes up to 8
-# heads there.  On Blackwell only the Triton kernel runs, which FlashMLA beats:
-# off.  Elsewhere (e.g. sm80, sm89, where FlashMLA cannot run) it is the only
-# prefill and is on for every head count.
+# local heads (V4-Flash TP8) for every layer type; at 16 (V4-Pro TP8) on SWA-only
+# and C128A layers (grouped rows) but not on long-context C4A layers, on the H200
+# (docs/attention.md).  So the head-exact prefill takes up to 8 heads on C4A layers
+# there and up to 16 on the others.  On Blackwell only the Triton kernel runs,
+# which FlashMLA beats: off.  Elsewhere (e.g. sm80, sm89, where FlashMLA cannot
+# run) it is the only prefill and is on for every head count.
 FLASHMLA_MAJORS = (9, 10)
-HOPPER_MAX_HEADS = 8
+HOPPER_MAX_HEADS = 8  # C4A layers
+HOPPER_MAX_HEADS_SHARED_KEYS = 16  # SWA-only and C128A layers
 
 
 _STEP: dict[str, Any] = {"meta": None, "plan": None}
 
 
 @functools.cache
-def _default_max_heads() -> int:
+def _default_max_heads(compress_ratio: int = 4) -> int:
     # vLLM's platform reads the capability through NVML: no CUDA context is
     # created in the process that decides (vLLM forks workers after this).
     try:
@@ -53,22 +55,26 @@ def _default_max_heads() -> int:
     if capability is not None and capability.major == 9:
         from dsv4_kernels.sparse_mla import wgmma_available
 
-        return HOPPER_MAX_HEADS if wgmma_available() else 0
+        if not wgmma_available():
+            return 0
+        return HOPPER_MAX_HEADS if compress_ratio == 4 else HOPPER_MAX_HEADS_SHARED_KEYS
     if capability is not None and capability.major in FLASHMLA_MAJORS:
         return 0
     return 128
 
 
-def max_heads() -> int:
-    """Largest local head count that takes the head-exact prefill.
+def max_heads(compress_ratio: int = 4) -> int:
+    """Largest local head count that takes the head-exact prefill on layers of this
+    compress ratio (4: C4A, the strictest; 1 and 128: SWA-only and C128A).
 
-    ``DSV4_PREFILL_MAX_HEADS`` overrides the measured default: 8 on Hopper (with
-    the Gluon wgmma kernel; 0 without it), 0 (off) on Blackwell, where vLLM's
-    FlashMLA prefill is faster, and 128 (always) elsewhere.
+    ``DSV4_PREFILL_MAX_HEADS`` overrides the measured default for every layer type:
+    on Hopper (with the Gluon wgmma kernel; 0 without it) 8 on C4A layers and 16 on
+    SWA-only and C128A layers, 0 (off) on Blackwell, where vLLM's FlashMLA prefill is
+    faster, and 128 (always) elsewhere.
     """
     raw = os.environ.get(ENV_MAX_HEADS, "")
     if not raw.strip():
-        return _default_max_heads()
+        return _default_max_heads(4 if compress_ratio == 4 else 1)
     try:
         value = int(raw)
     except ValueError as exc:
@@ -79,8 +85,8 @@ def max_heads() -> int:
 def use_head_exact(layer: Any, swa_metadata: Any) -> bool:
     """Whether this layer's prefill in this step takes the head-exact path."""
     return (
-        int(layer.n_local_heads) <= max_heads()
-        and int(layer.compress_ratio) in (1, 4, 128)
+        int(layer.compress_ratio) in (1, 4, 128)
+        and int(layer.n_local_heads) <= max_heads(int(layer.compress_ratio))
         and getattr(swa_metadata, "prefill_left_visible", None) is None
         and getattr(swa_metadata, "prefill_right_visible", None) is None
     )

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from .kv_cache import dequantize_and_gather_k_cache, quantize_and_insert_k_cache
 from .metadata import combine_topk_swa_indices, compute_global_topk_indices_and_lens
-from .prefill_indices import build_prefill_indices
+from .prefill_indices import build_grouped_prefill_indices, build_prefill_indices
 from .sparse_mla import sparse_mla_paged, sparse_mla_workspace
 
 __all__ = [
+    "build_grouped_prefill_indices",
     "build_prefill_indices",
     "combine_topk_swa_indices",
     "compute_global_topk_indices_and_lens",
