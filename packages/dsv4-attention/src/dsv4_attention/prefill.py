@@ -105,7 +105,7 @@ class PrefillPlan:
         self.check_values = check_values
         self._rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # grouped rows: (the block table, to keep it alive; the rows built with it)
-        self._grouped: dict[tuple[Any, ...], tuple[torch.Tensor, Any]] = {}
+        self._grouped: dict[tuple[Any, ...] | None, tuple[torch.Tensor, Any]] = {}
         self.launches = 0  # index-build launches so far (for tests and logs)
 
     def _build(self, **kwargs: Any) -> dk.PrefillIndices:
@@ -228,6 +228,7 @@ class PrefillPlan:
                 window = (window_block_table, built)
                 self._grouped[wkey] = window
             if ckey is not None and comp is None:
+                assert comp_block_table is not None
                 comp = (comp_block_table, built)
                 self._grouped[ckey] = comp
         w = window[1]
