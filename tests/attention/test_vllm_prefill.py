@@ -29,6 +29,7 @@ import pytest
 import torch
 
 import dsv4_kernels as dk
+from dsv4_kernels import sparse_mla
 from dsv4_kernels.testing.common import fresh_seed, generator
 
 from .vllm_layout import vllm_dsv4_caches
@@ -164,10 +165,19 @@ def _batch(g: torch.Generator, ratio: int, caches: dict[str, torch.Tensor]) -> d
     return {"swa": swa, "attn": attn, "topk_buffer": topk_buffer, "total": total}
 
 
-@pytest.mark.parametrize("ratio", [1, 4, 128])
+@pytest.mark.parametrize(
+    ("ratio", "group"),
+    [(1, 1), (4, 1), (128, 1), (1, 4), (128, 4)],
+    ids=["swa", "c4a", "c128a", "swa-grouped", "c128a-grouped"],
+)
 def test_head_exact_prefill_matches_vllms_own_prefill(
-    vllm_env: types.SimpleNamespace, ratio: int
+    vllm_env: types.SimpleNamespace, ratio: int, group: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``group`` > 1: the forward takes grouped rows (as on Hopper, where the wgmma kernel
+    consumes them; here they are expanded per token), built from vLLM's metadata for a
+    batch whose requests start inside groups."""
+    if group > 1:
+        monkeypatch.setattr(sparse_mla, "prefill_group_size", lambda q: group)
     seed = fresh_seed()
     g = generator(seed)
     views, storage = vllm_dsv4_caches("BLHNC", available_bytes=96 << 20)

@@ -12,6 +12,10 @@ layer's prefill is two steps on the heads it really has:
 2. sparse MLA with sink over those slots (:func:`dsv4_kernels.sparse_mla_paged`),
    writing into the caller's output for the real heads only.
 
+SWA-only and C128A layers take grouped rows where the Hopper kernel consumes
+them (:func:`dsv4_kernels.build_grouped_prefill_indices`: neighbouring tokens
+share their keys, which are then loaded and dequantised once per group).
+
 Everything is plain tensors: nothing here imports vLLM.  The vLLM layer maps
 its metadata to these arguments (``swa_metadata``: ``query_start_loc`` sliced
 to the prefill requests, ``prefill_seq_lens``, ``num_prefill_tokens``,

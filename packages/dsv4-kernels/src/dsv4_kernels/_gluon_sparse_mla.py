@@ -23,6 +23,10 @@ around Hopper's warpgroup MMA with the keys on the M dimension:
   SWA layers; without it ``S`` reads the tile from shared memory, faster at 16
   heads);
 * ``IO_VEC``: q and out in 16-byte accesses where their strides allow;
+* ``G`` > 1 (grouped rows: SWA-only and C128A layers): one program per ``G``
+  consecutive tokens whose keys are one row (their leader's), ``G x HT`` MMA
+  rows, each masked to its own token's columns: each key is loaded and
+  dequantised once per group (docs/attention.md, "Grouped rows");
 * the next tile's index entries are loaded before this tile's products; its
   bytes at the top of the next step, while ``ASYNC_PV`` lets this tile's
   ``P V`` product run (holding the bytes across the products was 10x slower,

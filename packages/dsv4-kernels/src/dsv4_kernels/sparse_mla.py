@@ -23,6 +23,11 @@ CUDA tensors run the Gluon wgmma kernel of :mod:`._gluon_sparse_mla` on Hopper (
 to 16 heads, aligned FP8 pages) and the Triton kernel of :mod:`._triton_sparse_mla`
 otherwise; CPU tensors
 run :mod:`dsv4_kernels.reference` unless Triton's interpreter is on.
+
+Grouped rows (``leads``: SWA-only and C128A layers, whose neighbouring tokens share
+keys; :func:`dsv4_kernels.build_grouped_prefill_indices`) let the wgmma kernel load
+and dequantise each key once for a group of tokens (:func:`prefill_group_size`);
+every other path expands them to the equivalent per-token rows.
 """
 
 from __future__ import annotations
