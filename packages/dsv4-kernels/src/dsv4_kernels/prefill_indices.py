@@ -32,9 +32,9 @@ The window rows and the C128A rows depend only on the step's metadata, so
 one call serves every layer of that type (and group) in a step; C4A's top-k
 differs per layer.  :func:`build_grouped_prefill_indices` builds the same keys
 as grouped rows (tokens of a group read their leader's rows, which hold the
-group's keys) for SWA-only and C128A layers, with the same kernel.  In-image bidirectional visibility (vLLM's vision variant)
-and SWA bounded replay (DeepSeek-V4.1) are not covered: such batches take
-vLLM's own path.
+group's keys) for SWA-only and C128A layers, with the same kernel.  In-image
+bidirectional visibility (vLLM's vision variant) and SWA bounded replay
+(DeepSeek-V4.1) are not covered: such batches take vLLM's own path.
 
 About 510 lines: the contract above, the host checks with their messages and
 the benchmark-case factory (:func:`make_prefill_index_case`) that tests,
