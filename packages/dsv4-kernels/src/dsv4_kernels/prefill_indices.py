@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -332,23 +333,7 @@ def _build(
     if not use_triton(device):
         from .reference import prefill_indices as ref
 
-        if grouped:
-            return ref.build_grouped_prefill_indices(
-                query_start_loc,
-                seq_lens,
-                num_tokens=num_tokens,
-                group_size=group,
-                window_block_table=window_block_table,
-                window_block_size=window_block_size,
-                window_size=window_size,
-                comp_block_table=comp_block_table if mode else None,
-                comp_block_size=comp_block_size,
-                compress_ratio=ratio,
-                topk=topk if mode else None,
-            )
-        return ref.build_prefill_indices(
-            query_start_loc,
-            seq_lens,
+        common: dict[str, Any] = dict(
             num_tokens=num_tokens,
             window_block_table=window_block_table,
             window_block_size=window_block_size,
@@ -356,12 +341,21 @@ def _build(
             compress_ratio=ratio,
             comp_block_table=comp_block_table if mode else None,
             comp_block_size=comp_block_size,
-            topk_indices=topk_indices,
             topk=topk if mode else None,
+        )
+        if grouped:
+            return ref.build_grouped_prefill_indices(
+                query_start_loc, seq_lens, group_size=group, **common
+            )
+        return ref.build_prefill_indices(
+            query_start_loc,
+            seq_lens,
+            topk_indices=topk_indices,
             window_out=window_out,
             window_lens_out=window_lens_out,
             comp_out=comp_out,
             comp_lens_out=comp_lens_out,
+            **common,
         )
 
     def alloc(out: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
