@@ -1,10 +1,14 @@
 """Grouped rows (tokens sharing keys) against per-token rows on the wgmma kernel (GPU).
 
-``python -m benchmarks.exp_grouped [--out DIR]``: for C128A and SWA-only layers
+``python -m benchmarks.exp_grouped [--out DIR] [--variants 1:0,2:0,4:0]``: for C128A
+and SWA-only layers
 (Flash TP8 and Pro TP8, 1 x 16,384 at 131,072 and 16 x 1,024), each variant's
 poisoned outputs must be fully written and match the float32 reference on a
 token sample; then the kernel alone and the kernel with its index build are
-timed with ``triton.testing.do_bench``.  One JSON line per (case, variant).
+timed with ``triton.testing.do_bench``.  One JSON line per (case, variant).  A
+variant is ``group:reg_a`` (``reg_a`` 1: ``S`` from registers on grouped tiles).
+Run 15b (docs/attention.md) is the default variants; run 15a measured ``2:1`` and
+``4:1`` too, on a first version of the grouped kernel (group boundaries from torch).
 """
 
 # ruff: noqa: B023  (closures run inside the iteration that defines them)
@@ -46,6 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="exp-grouped")
     ap.add_argument("--rep-ms", type=int, default=300)
+    ap.add_argument("--variants", default=",".join(f"{g}:{r}" for g, r in VARIANTS))
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +67,8 @@ def main() -> None:
         lse = torch.empty((T, H), dtype=torch.float32, device=dev)
         comp = inp.comp_cache is not None
         base = None
-        for size, reg_a in VARIANTS:
+        variants = [tuple(int(x) for x in v.split(":")) for v in args.variants.split(",")]
+        for size, reg_a in variants:
             if sm.group_rows(H, size) > sm.MAX_GROUP_ROWS or (size == 1 and reg_a):
                 continue
             sm.TILES["small"]["REG_A_G"] = reg_a
