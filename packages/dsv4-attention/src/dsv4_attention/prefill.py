@@ -109,7 +109,7 @@ class PrefillPlan:
         self.check_values = check_values
         self._rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # grouped rows: (the block table, to keep it alive; the rows built with it)
-        self._grouped: dict[tuple[Any, ...] | None, tuple[torch.Tensor, Any]] = {}
+        self._grouped: dict[tuple[Any, ...], tuple[torch.Tensor, Any]] = {}
         self.launches = 0  # index-build launches so far (for tests and logs)
 
     def _build(self, **kwargs: Any) -> dk.PrefillIndices:
@@ -207,9 +207,10 @@ class PrefillPlan:
         wkey = _table_key("grouped-window", window_block_table, window_block_size, group_size)
         ckey = None
         if compress_ratio == 128:
-            assert comp_block_table is not None and c128a_topk is not None
+            assert comp_block_table is not None and comp_block_size is not None
+            assert c128a_topk is not None
             ckey = _table_key(
-                "grouped-c128a", comp_block_table, comp_block_size or 2, c128a_topk, group_size
+                "grouped-c128a", comp_block_table, comp_block_size, c128a_topk, group_size
             )
         window = self._grouped.get(wkey)
         comp = self._grouped.get(ckey) if ckey is not None else None

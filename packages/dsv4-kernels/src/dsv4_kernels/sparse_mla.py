@@ -279,6 +279,22 @@ def _check_groups(
     return (g, size, starts[0], starts[1])
 
 
+def _per_token_rows(
+    grouping: _Grouping,
+    a_idx: torch.Tensor,
+    a_lens: torch.Tensor | None,
+    b_idx: torch.Tensor | None,
+    b_lens: torch.Tensor | None,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Both sources' grouped rows expanded to the equivalent per-token rows and lengths."""
+    leads, _, a_starts, b_starts = grouping
+    a_idx, a_lens = expand_grouped_rows(leads, a_idx, a_lens, a_starts, num_tokens)
+    if b_idx is not None:
+        b_idx, b_lens = expand_grouped_rows(leads, b_idx, b_lens, b_starts, num_tokens)
+    return a_idx, a_lens, b_idx, b_lens
+
+
 def _block_h(num_heads: int, max_block_h: int) -> int:
     return min(max(MMA_MIN_M, triton.next_power_of_2(num_heads)), max_block_h)
 
@@ -482,9 +498,7 @@ def sparse_mla_paged(
     )
     if grouping is not None and not (use_triton(device) and _groups_run(q)):
         # paths without grouped tiles read the same keys from per-token rows
-        a_idx, a_lens = expand_grouped_rows(grouping[0], a_idx, a_lens, grouping[2], T)
-        if b_idx is not None:
-            b_idx, b_lens = expand_grouped_rows(grouping[0], b_idx, b_lens, grouping[3], T)
+        a_idx, a_lens, b_idx, b_lens = _per_token_rows(grouping, a_idx, a_lens, b_idx, b_lens, T)
         grouping = None
     if not use_triton(device):
         from .reference import sparse_mla as ref
@@ -666,11 +680,10 @@ def _launch(
         and _launch_wgmma(T, H, args, sources, tiles, grouping)
     ):
         return
-    if grouping is not None:  # the wgmma kernel did not build: per-token rows
-        g, _, a_st, b_st = grouping
-        a_idx, a_lens = expand_grouped_rows(g, a_idx, a_lens, a_st, T)
-        if b is not None:
-            b_idx, b_lens = expand_grouped_rows(g, b_idx, b_lens, b_st, T)
+    if grouping is not None:  # the wgmma kernel did not take them: per-token rows
+        a_idx, a_lens, b_idx, b_lens = _per_token_rows(  # type: ignore[assignment]
+            grouping, a_idx, a_lens, b_idx if b is not None else None, b_lens, T
+        )
         _launch(
             q, out, lse, sink, a=(a_src, a_idx, a_lens, a_stride, a_rows), a_slots=a_slots,
             a_paged=a_paged, b=None if b is None else (b_src, b_idx, b_lens, b_stride, b_rows),
