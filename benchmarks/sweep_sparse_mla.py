@@ -58,6 +58,39 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("wgmma-smem-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "IO_VEC": 0}),
         ("wgmma-reg-a", {**WG, "MAXNREG_H8": 168, "REG_A": 1}),
         ("wgmma-reg-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "IO_VEC": 0}),
+        # the warp-specialised kernel: producer warpgroups fill shared bf16 tiles, one
+        # consumer warpgroup runs S, the softmax and P V (persistent, one per SM)
+        ("ws-2p-3b", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "WS": 1}),
+        (
+            "ws-3p-3b",
+            {
+                **WG,
+                "MAXNREG_H8": 168,
+                "REG_A": 1,
+                "WS": 1,
+                "WS_PRODUCERS": 3,
+                "WS_PRODUCER_REGS": 112,
+                "WS_MAXNREG": 128,
+            },
+        ),
+        ("ws-2p-ov", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "WS": 1, "WS_OVERLAP": 1}),
+        (
+            "ws-2p-ov-s2",
+            {**WG, "MAXNREG_H8": 168, "REG_A": 1, "WS": 1, "WS_OVERLAP": 1, "WS_SPLIT": 2},
+        ),
+        (
+            "ws-3p-ov",
+            {
+                **WG,
+                "MAXNREG_H8": 168,
+                "REG_A": 1,
+                "WS": 1,
+                "WS_PRODUCERS": 3,
+                "WS_PRODUCER_REGS": 112,
+                "WS_MAXNREG": 128,
+                "WS_OVERLAP": 1,
+            },
+        ),
     ],
     "large": [
         ("old-default", OLD_LARGE),
@@ -113,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("sparse-mla-sweep"))
     p.add_argument("--rep-ms", type=int, default=30)
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--variants", default="", help="variant names to run (default: all)")
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--warm-s", type=int, default=90, help="limit for the parallel compiles")
     p.add_argument(
@@ -121,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         help="a smoke run of the script itself on tiny shapes (CPU: TRITON_INTERPRET=1)",
     )
     args = p.parse_args(argv)
+    if args.variants:
+        keep = set(args.variants.split(","))
+        for cls in VARIANTS:
+            VARIANTS[cls] = [(n, t) for n, t in VARIANTS[cls] if n in keep]
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "sweep.jsonl"
     gpu = torch.cuda.is_available()
