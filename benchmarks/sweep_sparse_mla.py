@@ -58,6 +58,10 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("wgmma-smem-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "IO_VEC": 0}),
         ("wgmma-reg-a", {**WG, "MAXNREG_H8": 168, "REG_A": 1}),
         ("wgmma-reg-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "IO_VEC": 0}),
+        # REG_V: P V's FP8 rows as register operands too (no bf16 tile in shared memory)
+        ("wgmma-reg-v", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "REG_V": 1}),
+        ("wgmma-reg-v-nocap", {**WG, "REG_A": 1, "REG_V": 1}),
+        ("wgmma-reg-v-128", {**WG, "MAXNREG": 128, "REG_A": 1, "REG_V": 1}),
         # the warp-specialised kernel: producer warpgroups fill shared bf16 tiles, one
         # consumer warpgroup runs S, the softmax and P V (persistent, one per SM)
         ("ws-2p-3b", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "WS": 1}),

@@ -176,6 +176,7 @@ def _launch_wgmma(
         return True
 
     hp = 8 if H <= 8 else 16
+    reg_v = grouping is None and bool(tiles.get("REG_V", 0))
     nreg = tiles.get("MAXNREG") or (tiles.get("MAXNREG_H8") if hp == 8 else None)
     grid = T
     unused = args[5] if len(args) > 5 else q  # any tensor for the unused pointers
@@ -196,8 +197,9 @@ def _launch_wgmma(
             DATA_BYTES=TOKEN_DATA_BYTES,
             SCALE_BYTES=TOKEN_SCALE_BYTES,
             HT=hp,
-            ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
-            REG_A=bool(
+            ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)) and not reg_v,
+            REG_V=reg_v,
+            REG_A=reg_v or bool(
                 tiles.get("REG_A_G", 0)
                 if grouping is not None
                 else tiles.get("REG_A", tiles.get("REG_A_H8", 0) if hp == 8 else 0)
