@@ -1,6 +1,7 @@
 """Sparse MLA kernel variants, timed against each other on the 1 x 16,384-token cases (GPU).
 
-``python -m benchmarks.sweep_sparse_mla [--out DIR] [--rep-ms N] [--cases a,b] [--tiny]``
+``python -m benchmarks.sweep_sparse_mla [--out DIR] [--rep-ms N] [--cases a,b]
+[--variants x,y] [--tiny]``
 
 For each case (C4A Flash TP8, C4A Pro TP8, SWA Flash TP8 and C4A Flash DP at a
 131,072-token context; the workspace path too on the first) and each variant of
@@ -14,7 +15,9 @@ compiled first in parallel worker processes on tiny inputs of the same
 compile-time shape, which fills Triton's on-disk cache for the timed process.
 ``--tiny`` runs the same flow on tiny shapes (on CPU with ``TRITON_INTERPRET=1``:
 a check of the script, times meaningless).  Runs 5 and 6 (docs/attention.md)
-measured earlier variant sets, among them a column-piece kernel since removed.
+measured earlier variant sets, among them a column-piece kernel since removed;
+run 16 measured two kernels kept only in git history (``REG_V`` at commit
+``54b0a05``, the warp-specialised kernel at ``8f98350``: docs/attention.md).
 """
 
 from __future__ import annotations
@@ -58,43 +61,6 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("wgmma-smem-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "IO_VEC": 0}),
         ("wgmma-reg-a", {**WG, "MAXNREG_H8": 168, "REG_A": 1}),
         ("wgmma-reg-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "IO_VEC": 0}),
-        # REG_V: P V's FP8 rows as register operands too (no bf16 tile in shared memory)
-        ("wgmma-reg-v", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "REG_V": 1}),
-        ("wgmma-reg-v-nocap", {**WG, "REG_A": 1, "REG_V": 1}),
-        ("wgmma-reg-v-128", {**WG, "MAXNREG": 128, "REG_A": 1, "REG_V": 1}),
-        # the warp-specialised kernel: producer warpgroups fill shared bf16 tiles, one
-        # consumer warpgroup runs S, the softmax and P V (persistent, one per SM)
-        ("ws-2p-3b", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "WS": 1}),
-        (
-            "ws-3p-3b",
-            {
-                **WG,
-                "MAXNREG_H8": 168,
-                "REG_A": 1,
-                "WS": 1,
-                "WS_PRODUCERS": 3,
-                "WS_PRODUCER_REGS": 112,
-                "WS_MAXNREG": 128,
-            },
-        ),
-        ("ws-2p-ov", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "WS": 1, "WS_OVERLAP": 1}),
-        (
-            "ws-2p-ov-s2",
-            {**WG, "MAXNREG_H8": 168, "REG_A": 1, "WS": 1, "WS_OVERLAP": 1, "WS_SPLIT": 2},
-        ),
-        (
-            "ws-3p-ov",
-            {
-                **WG,
-                "MAXNREG_H8": 168,
-                "REG_A": 1,
-                "WS": 1,
-                "WS_PRODUCERS": 3,
-                "WS_PRODUCER_REGS": 112,
-                "WS_MAXNREG": 128,
-                "WS_OVERLAP": 1,
-            },
-        ),
     ],
     "large": [
         ("old-default", OLD_LARGE),
@@ -159,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         help="a smoke run of the script itself on tiny shapes (CPU: TRITON_INTERPRET=1)",
     )
     args = p.parse_args(argv)
-    if args.variants:
+    if args.variants:  # only these (names of VARIANTS, any head class)
         keep = set(args.variants.split(","))
+        known = {n for runs in VARIANTS.values() for n, _ in runs}
+        if keep - known:
+            p.error(f"--variants: unknown {sorted(keep - known)}; known: {sorted(known)}")
         for cls in VARIANTS:
             VARIANTS[cls] = [(n, t) for n, t in VARIANTS[cls] if n in keep]
     args.out.mkdir(parents=True, exist_ok=True)

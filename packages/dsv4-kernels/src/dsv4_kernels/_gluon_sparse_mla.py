@@ -155,58 +155,8 @@ def _qk_block(v, q_smem, b: gl.constexpr, s, prev, first: gl.constexpr, L_A: gl.
 
 
 @gluon.jit
-def _pv_load(
-    src_ptr,
-    idx_row_ptr,
-    start,
-    length,
-    row_stride,
-    num_rows,
-    SLOTS: gl.constexpr,
-    DATA_BYTES: gl.constexpr,
-    SCALE_BYTES: gl.constexpr,
-    L_V: gl.constexpr,
-):
-    """The FP8 codes (zero in the rope's block) and scales of keys ``start .. start + 16``
-    of an index row for ``P V``'s register operand (``REG_V``): each thread loads 16
-    consecutive codes of each of its 4 keys, one 16-byte access each."""
-    L_KB: gl.constexpr = gl.SliceLayout(2, L_V)
-    n = gl.arange(0, 16, layout=gl.SliceLayout(1, L_KB))
-    col = start + n
-    idx = gl.load(idx_row_ptr + col, mask=col < length, other=-1).to(gl.int64)
-    ok = (idx >= 0) & (idx < num_rows)
-    page = idx // SLOTS
-    in_page = idx % SLOTS
-    base = page * row_stride
-    data = src_ptr + gl.multiple_of(base + in_page * DATA_BYTES, 16)
-    scales = src_ptr + base + SLOTS * DATA_BYTES + in_page * SCALE_BYTES
-    blk = gl.arange(0, 8, layout=gl.SliceLayout(0, L_KB))
-    live = gl.expand_dims(ok, 1) & gl.expand_dims(blk < 7, 0)  # [16, 8]: FP8 blocks only
-    byte = gl.load(gl.expand_dims(scales, 1) + gl.expand_dims(blk, 0), mask=live, other=0)
-    scale = (byte.to(gl.int32) << 23).to(gl.float32, bitcast=True)
-    e = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, L_V)))
-    off = gl.expand_dims(gl.expand_dims(blk * 64, 0), 2) + gl.expand_dims(gl.expand_dims(e, 0), 1)
-    ptrs = gl.expand_dims(gl.expand_dims(data, 1), 2) + off
-    mask = gl.expand_dims(live, 2) & (off >= 0)
-    return gl.load(ptrs, mask=mask, other=0), scale
-
-
-@gluon.jit
-def _pv_operand(codes, scale, L_A: gl.constexpr):
-    """:func:`_pv_load`'s bytes dequantised and relabelled, without moving data, to
-    wgmma's register A layout ``V^T [512, 16]``: row ``m`` holds dimension ``p`` whose
-    bits are ``m``'s bits 3, 6, 7, 8, 0, 1, 2, 4, 5 (low to high)."""
-    v = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * gl.expand_dims(scale, 2)
-    # [key, p8 p7 p6 (block), p5 .. p0] -> [m8 .. m0, key] with m = _pv_dim^-1 (p)
-    x = gl.reshape(v.to(gl.bfloat16), [16, 2, 2, 2, 2, 2, 2, 2, 2, 2])
-    x = gl.permute(x, (6, 7, 8, 1, 2, 9, 3, 4, 5, 0))
-    return gl.convert_layout(gl.reshape(x, [512, 16]), L_A)
-
-
-@gluon.jit
 def _attend_source(
     acc,
-    acc_r,
     m_i,
     l_i,
     q_all,
@@ -231,11 +181,9 @@ def _attend_source(
     L_CODE: gl.constexpr,
     L_ROPE: gl.constexpr,
     L_MMA: gl.constexpr,
-    L_V: gl.constexpr,
     ASYNC_PV: gl.constexpr,
     REG_A: gl.constexpr,
     PER_ROW: gl.constexpr,
-    REG_V: gl.constexpr,
 ):
     """Online softmax over columns ``lo .. length`` of one key source (tiles of ``BN``
     keys).  With ``PER_ROW`` column ``j`` counts for row ``r`` (a token's head) only where
@@ -277,29 +225,14 @@ def _attend_source(
             s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)
             codes = (c0, c1, c2, c3, c4, c5, c6)
             v = _block_bf16(c0, sb, 0)
-            if not REG_V:
-                k_smem.slice(0, QB, dim=1).store(v)
+            k_smem.slice(0, QB, dim=1).store(v)
             s, a = _qk_block(v, q_smem, 0, s, v, True, L_A)
             for b in gl.static_range(1, 7):
                 v = _block_bf16(codes[b], sb, b)
-                if not REG_V:
-                    k_smem.slice(b * QB, QB, dim=1).store(v)
+                k_smem.slice(b * QB, QB, dim=1).store(v)
                 s, a = _qk_block(v, q_smem, b, s, a, False, L_A)
-            if REG_V:  # only the rope goes to shared memory (its own [BN, 64] buffer)
-                k_smem.store(rope)
-            else:
-                k_smem.slice(NOPE_, QB, dim=1).store(rope)
+            k_smem.slice(NOPE_, QB, dim=1).store(rope)
             s, a = _qk_block(rope, q_smem, 7, s, a, False, L_A)
-            if REG_V:  # P V's bytes (L1 hits: this tile's), in flight during the softmax
-                pv0 = _pv_load(src_ptr, idx_row_ptr, start, length, row_stride, num_rows,
-                               SLOTS, DATA_BYTES, SCALE_BYTES, L_V)  # fmt: skip
-                pv1 = _pv_load(src_ptr, idx_row_ptr, start + 16, length, row_stride, num_rows,
-                               SLOTS, DATA_BYTES, SCALE_BYTES, L_V)  # fmt: skip
-                pv2 = _pv_load(src_ptr, idx_row_ptr, start + 32, length, row_stride, num_rows,
-                               SLOTS, DATA_BYTES, SCALE_BYTES, L_V)  # fmt: skip
-                pv3 = _pv_load(src_ptr, idx_row_ptr, start + 48, length, row_stride, num_rows,
-                               SLOTS, DATA_BYTES, SCALE_BYTES, L_V)  # fmt: skip
-                pv = (pv0, pv1, pv2, pv3)
             s, a = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
         else:
             codes = (c0, c1, c2, c3, c4, c5, c6)
@@ -321,33 +254,14 @@ def _attend_source(
         p = gl.exp2(s - gl.expand_dims(m_use, 0))
         l_i = l_i * alpha + gl.sum(p, axis=0)
         acc = acc * gl.expand_dims(alpha, 0)
-        if REG_V:
-            acc_r = acc_r * gl.expand_dims(alpha, 0)
         p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
         fence_async_shared()
         gl.thread_barrier()
-        if REG_V:
-            # P V with V^T from registers, 16 keys per product (each key's codes loaded
-            # again, from L1, in the operand's layout), the rope's rows from shared memory
-            p_t = p_smem.permute((1, 0))
-            acc_r = warpgroup_mma(k_smem.permute((1, 0)), p_t, acc_r, is_async=True)
-            L_AV: gl.constexpr = gl.DotOperandLayout(0, L_MMA, 2)
-            a = _pv_operand(pv[0][0], pv[0][1], L_AV)
-            acc = warpgroup_mma(a, p_t.slice(0, 16, dim=0), acc, is_async=True)
-            for f in gl.static_range(1, BN // 16):
-                a2 = _pv_operand(pv[f][0], pv[f][1], L_AV)
-                acc = warpgroup_mma(a2, p_t.slice(16 * f, 16, dim=0), acc, is_async=True)
-                a = warpgroup_mma_wait(num_outstanding=1, deps=(a,))
-                a = a2
-            acc, acc_r, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_r, a))
-        else:
-            acc = warpgroup_mma(
-                k_smem.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=ASYNC_PV
-            )
+        acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=ASYNC_PV)
         m_i = m_new
     if ASYNC_PV:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    return acc, acc_r, m_i, l_i
+    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -389,7 +303,7 @@ def _sparse_mla_wgmma_kernel(
     DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
     HT: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
     G: gl.constexpr = 1, A_HAS_STARTS: gl.constexpr = False,
-    B_HAS_STARTS: gl.constexpr = False, REG_V: gl.constexpr = False,
+    B_HAS_STARTS: gl.constexpr = False,
 ):  # fmt: skip
     """One program per query token (``G == 1``) or per ``G`` consecutive tokens that share
     key rows: token ``t`` reads the rows of token ``lead_ptr[t]`` (its leader, at or
@@ -421,28 +335,15 @@ def _sparse_mla_wgmma_kernel(
     L_MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16]
     )
-    # REG_V: P V's FP8 rows as register operands, 16 keys x 16 codes per thread (see
-    # _pv_operand); the tile buffer holds only the rope, and P is read 16 keys at a time
-    L_V: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [1, 0, 0], [8, 0, 0]],
-        lane_bases=[[2, 0, 0], [4, 0, 0], [0, 0, 16], [0, 0, 32], [0, 1, 0]],
-        warp_bases=[[0, 2, 0], [0, 4, 0]],
-        block_bases=[],
-        shape=[16, 8, 64],
-    )
-    KD: gl.constexpr = QB if REG_V else D
     k_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [1, BN, KD], gl.NVMMASharedLayout.get_default_for([BN, KD], gl.bfloat16)
+        gl.bfloat16, [1, BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
     )
     q_smem = gl.allocate_shared_memory(
         gl.bfloat16, [1, HP, D], gl.NVMMASharedLayout.get_default_for([HP, D], gl.bfloat16)
     )
-    L_P: gl.constexpr = (
-        gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2)
-        if REG_V
-        else gl.NVMMASharedLayout.get_default_for([HP, BN], gl.bfloat16)
+    p_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [1, HP, BN], gl.NVMMASharedLayout.get_default_for([HP, BN], gl.bfloat16)
     )
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [1, HP, BN], L_P)
 
     pid = gl.program_id(0)
     first = pid.to(gl.int64) * G
@@ -467,26 +368,25 @@ def _sparse_mla_wgmma_kernel(
     m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))
     acc = gl.zeros([D, HP], gl.float32, layout=L_MMA)
-    acc_r = gl.zeros([QB, HP], gl.float32, layout=L_MMA)  # REG_V: the rope's columns
 
     if G == 1:  # one token: its length (scalars only; nothing more lives across the loop)
         a_end = a_width
         if A_HAS_LENS:
             a_end = gl.minimum(gl.load(a_len_ptr + first), a_width)
-        acc, acc_r, m_i, l_i = _attend_source(
-            acc, acc_r, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + first * a_idx_stride,
+        acc, m_i, l_i = _attend_source(
+            acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + first * a_idx_stride,
             0, a_end, a_end, a_end, a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES,
-            SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, L_V, ASYNC_PV, REG_A, False, REG_V,
+            SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
         )  # fmt: skip
         if HAS_B:
             b_end = b_width
             if B_HAS_LENS:
                 b_end = gl.minimum(gl.load(b_len_ptr + first), b_width)
-            acc, acc_r, m_i, l_i = _attend_source(
-                acc, acc_r, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr,
+            acc, m_i, l_i = _attend_source(
+                acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr,
                 b_idx_ptr + first * b_idx_stride, 0, b_end, b_end, b_end, b_row_stride,
                 b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_,
-                L_CODE, L_ROPE, L_MMA, L_V, ASYNC_PV, REG_A, False, REG_V,
+                L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
             )  # fmt: skip
     else:
         # One pass per leader among the group's tokens (one, unless a request starts
@@ -501,22 +401,22 @@ def _sparse_mla_wgmma_kernel(
                 mine = row_ok & (lead == leader)
                 a_lo, a_hi = _row_range(a_len_ptr, a_start_ptr, a_width, ts, mine, A_HAS_LENS,
                                         A_HAS_STARTS)  # fmt: skip
-                acc, acc_r, m_i, l_i = _attend_source(
-                    acc, acc_r, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr,
+                acc, m_i, l_i = _attend_source(
+                    acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr,
                     a_idx_ptr + leader * a_idx_stride, gl.min(a_lo, axis=0),
                     gl.max(a_hi, axis=0), a_lo, a_hi, a_row_stride, a_num_rows, qk_scale,
                     A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA,
-                    L_V, ASYNC_PV, REG_A, True, REG_V,
+                    ASYNC_PV, REG_A, True,
                 )  # fmt: skip
                 if HAS_B:
                     b_lo, b_hi = _row_range(b_len_ptr, b_start_ptr, b_width, ts, mine,
                                             B_HAS_LENS, B_HAS_STARTS)  # fmt: skip
-                    acc, acc_r, m_i, l_i = _attend_source(
-                        acc, acc_r, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr,
+                    acc, m_i, l_i = _attend_source(
+                        acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr,
                         b_idx_ptr + leader * b_idx_stride, gl.min(b_lo, axis=0),
                         gl.max(b_hi, axis=0), b_lo, b_hi, b_row_stride, b_num_rows, qk_scale,
                         B_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE,
-                        L_MMA, L_V, ASYNC_PV, REG_A, True, REG_V,
+                        L_MMA, ASYNC_PV, REG_A, True,
                     )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453
@@ -531,27 +431,17 @@ def _sparse_mla_wgmma_kernel(
         factor = factor / (1.0 + gl.exp2(sink * LOG2E - lse2))
     lse = gl.where(has_key, lse2 * LN2, float("-inf"))
     gl.store(lse_ptr + ts * lse_stride_t + hs, lse, mask=row_ok)
-    o = (acc * gl.expand_dims(factor, 0)).to(gl.bfloat16)
-    if REG_V:  # rows back in dimension order (the inverse of _pv_operand's relabelling)
-        o = gl.reshape(o, [2, 2, 2, 2, 2, 2, 2, 2, 2, HP])
-        o = gl.reshape(gl.permute(o, (3, 4, 6, 7, 8, 0, 1, 2, 5, 9)), [D, HP])
-    o = gl.convert_layout(o, L_OUT)
+    o = gl.convert_layout((acc * gl.expand_dims(factor, 0)).to(gl.bfloat16), L_OUT)
     do = gl.arange(0, D, layout=gl.SliceLayout(1, L_OUT))
     to, ho, o_ok = _rows(first, end, num_heads, HP, HT, gl.SliceLayout(0, L_OUT))
     o_row = to * out_stride_t + ho.to(gl.int64) * out_stride_h
     if IO_VEC:
         o_row = gl.multiple_of(o_row, 8)
-    o_ptr = out_ptr + gl.expand_dims(o_row, 0) + gl.expand_dims(do, 1)
-    o_mask = gl.expand_dims(o_ok, 0)
-    if REG_V:  # the FP8 rows from acc, the rope's from acc_r
-        gl.store(o_ptr, o, mask=o_mask & gl.expand_dims(do < NOPE_, 1))
-        o_r = gl.convert_layout((acc_r * gl.expand_dims(factor, 0)).to(gl.bfloat16), L_OUT)
-        dr = gl.arange(0, QB, layout=gl.SliceLayout(1, L_OUT))
-        gl.store(
-            out_ptr + gl.expand_dims(o_row, 0) + gl.expand_dims(NOPE_ + dr, 1), o_r, mask=o_mask
-        )
-    else:
-        gl.store(o_ptr, o, mask=o_mask)
+    gl.store(
+        out_ptr + gl.expand_dims(o_row, 0) + gl.expand_dims(do, 1),
+        o,
+        mask=gl.expand_dims(o_ok, 0),
+    )
 
 
 def compiled_variants() -> int:

@@ -172,11 +172,8 @@ def _launch_wgmma(
     from . import _gluon_sparse_mla as g
 
     q, out = args[0], args[1]
-    if grouping is None and tiles.get("WS") and _launch_ws(T, H, args, meta, tiles):
-        return True
 
     hp = 8 if H <= 8 else 16
-    reg_v = grouping is None and bool(tiles.get("REG_V", 0))
     nreg = tiles.get("MAXNREG") or (tiles.get("MAXNREG_H8") if hp == 8 else None)
     grid = T
     unused = args[5] if len(args) > 5 else q  # any tensor for the unused pointers
@@ -197,9 +194,8 @@ def _launch_wgmma(
             DATA_BYTES=TOKEN_DATA_BYTES,
             SCALE_BYTES=TOKEN_SCALE_BYTES,
             HT=hp,
-            ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)) and not reg_v,
-            REG_V=reg_v,
-            REG_A=reg_v or bool(
+            ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
+            REG_A=bool(
                 tiles.get("REG_A_G", 0)
                 if grouping is not None
                 else tiles.get("REG_A", tiles.get("REG_A_H8", 0) if hp == 8 else 0)
@@ -219,55 +215,6 @@ def _launch_wgmma(
             f"{triton.__version__} ({_WGMMA_BROKEN[0]}); the Triton kernel runs instead",
             RuntimeWarning,
             stacklevel=4,
-        )
-        return False
-    return True
-
-
-_WS_BROKEN: list[str] = []  # why the warp-specialised kernel failed to compile here
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
-def _launch_ws(
-    T: int, H: int, args: tuple[Any, ...], meta: dict[str, Any], tiles: dict[str, int]
-) -> bool:
-    """Launch the warp-specialised kernel (:mod:`._gluon_ws_sparse_mla`, persistent: one
-    program per multiprocessor); False when q or out cannot move in 16-byte accesses, or
-    (after one warning) when it does not compile here, so the caller runs the other
-    wgmma kernel."""
-    q, out = args[0], args[1]
-    if _WS_BROKEN or T == 0 or not _whole_vectors(q, out):
-        return False
-    from . import _gluon_ws_sparse_mla as ws
-
-    try:
-        ws._sparse_mla_ws_kernel[(min(T, _sm_count(q.device.index or 0)),)](
-            *args,
-            **meta,
-            DATA_BYTES=TOKEN_DATA_BYTES,
-            SCALE_BYTES=TOKEN_SCALE_BYTES,
-            HT=8 if H <= 8 else 16,
-            NP=tiles.get("WS_PRODUCERS", 2),
-            NBUF=tiles.get("WS_BUFFERS", 3),
-            PRODUCER_REGS=tiles.get("WS_PRODUCER_REGS", 128),
-            SPLIT=tiles.get("WS_SPLIT", 1),
-            OVERLAP=bool(tiles.get("WS_OVERLAP", 0)),
-            num_warps=4,
-            maxnreg=tiles.get("WS_MAXNREG", 168),
-        )
-    except Exception as exc:
-        if ws.compiled_variants():
-            raise
-        _WS_BROKEN.append(f"{type(exc).__name__}: {exc}"[:400])
-        warnings.warn(
-            f"dsv4_kernels: the warp-specialised sparse MLA kernel did not build with Triton "
-            f"{triton.__version__} ({_WS_BROKEN[0]}); the other wgmma kernel runs instead",
-            RuntimeWarning,
-            stacklevel=5,
         )
         return False
     return True
