@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import torch
 
 from dsv4_attention import plugin, vllm_targets
 
@@ -54,6 +55,33 @@ def test_every_replaced_name_has_a_signature_and_consumers() -> None:
         assert vllm_targets.OPS_PACKAGE in vllm_targets.CONSUMERS[name]
 
 
+def _fake_device(monkeypatch: pytest.MonkeyPatch, major: int | None, wgmma: bool) -> None:
+    """vLLM's platform as reporting compute capability ``major`` (None: no device), and
+    the Gluon wgmma kernel as available or not; the head limits' cache cleared."""
+    import types
+
+    from dsv4_attention import vllm_backend
+    from dsv4_kernels import sparse_mla
+
+    capability = None if major is None else types.SimpleNamespace(major=major, minor=0)
+    platform = types.SimpleNamespace(get_device_capability=lambda: capability)
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = platform  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    monkeypatch.setattr(sparse_mla, "wgmma_available", lambda: wgmma)
+    monkeypatch.delenv(vllm_backend.ENV_MAX_HEADS, raising=False)
+    vllm_backend._default_max_heads.cache_clear()
+
+
+@pytest.fixture
+def fake_device(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    from dsv4_attention import vllm_backend
+
+    yield lambda major, wgmma=True: _fake_device(monkeypatch, major, wgmma)
+    vllm_backend._default_max_heads.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("major", "wgmma", "heads", "shared_heads"),
     [
@@ -71,31 +99,117 @@ def test_default_head_limit_follows_the_measurements(
     wgmma: bool,
     heads: int,
     shared_heads: int,
+    fake_device,  # type: ignore[no-untyped-def]
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Hopper with the wgmma kernel: up to 8 local heads on C4A layers, 16 on SWA-only and
-    C128A layers (measured faster than FlashMLA there); Blackwell: off (FlashMLA); GPUs
-    without FlashMLA: every head count."""
+    """Hopper with the wgmma kernel: up to 8 local heads on C4A layers (16 in steps with
+    short rows), 16 on SWA-only and C128A layers (measured faster than FlashMLA there);
+    Blackwell: off (FlashMLA); GPUs without FlashMLA: every head count."""
+    from dsv4_attention import vllm_backend
+
+    fake_device(major, wgmma)
+    assert vllm_backend.max_heads() == heads
+    assert vllm_backend.max_heads(4) == heads
+    assert vllm_backend.max_heads(1) == vllm_backend.max_heads(128) == shared_heads
+    assert vllm_backend.short_rows_max_heads() == (16 if (major, wgmma) == (9, True) else 0)
+    monkeypatch.setenv(vllm_backend.ENV_MAX_HEADS, "12")
+    # the switch overrides the default for every layer type, short rows included
+    assert [vllm_backend.max_heads(r) for r in (1, 4, 128)] == [12, 12, 12]
+    assert vllm_backend.short_rows_max_heads() == 0
+
+
+def _brute_mean_keys(seq: list[int], qlen: list[int], window: int, topk: int) -> float:
+    keys = [
+        min(p + 1, window) + min((p + 1) // 4, topk)
+        for s, q in zip(seq, qlen, strict=True)
+        for p in range(s - q, s)
+    ]
+    return sum(keys) / len(keys) if keys else 0.0
+
+
+def test_c4a_mean_keys_counts_every_token() -> None:
+    """The closed form against a count over every token, on fresh random batches (chunks
+    at any depth, empty chunks, windows and top-k widths from 1 up)."""
+    from dsv4_attention.vllm_backend import c4a_mean_keys
+    from dsv4_kernels.testing.common import fresh_seed, generator
+
+    seed = fresh_seed()
+    g = generator(seed)
+    for _ in range(200):
+        n = int(torch.randint(1, 6, (1,), generator=g))
+        seq = torch.randint(0, 9000, (n,), generator=g).tolist()
+        qlen = [int(torch.randint(0, s + 1, (1,), generator=g)) if s else 0 for s in seq]
+        window = int(torch.randint(1, 300, (1,), generator=g))
+        topk = int(torch.randint(1, 1100, (1,), generator=g))
+        got = c4a_mean_keys(seq, qlen, window, topk)
+        assert got == pytest.approx(_brute_mean_keys(seq, qlen, window, topk), abs=1e-9), (
+            f"seed {seed}: {seq} {qlen} {window} {topk}"
+        )
+    # run 17's shapes (benchmarks.exp_context records the same means)
+    assert c4a_mean_keys([1024] * 16, [1024] * 16, 128, 1024) == pytest.approx(247.8125)
+    assert c4a_mean_keys([4096], [4096], 128, 1024) == pytest.approx(637.765625)
+    assert c4a_mean_keys([131072], [16384], 128, 1024) == 1152.0
+
+
+class _StepMetadata:
+    """The host-side lengths of vLLM's ``DeepseekSparseSWAMetadata`` (weakly referable,
+    as vLLM's dataclass is)."""
+
+    def __init__(self, seq: list[int], qlen: list[int]) -> None:
+        self.prefill_seq_lens_cpu = torch.tensor(seq, dtype=torch.int32)
+        self.prefill_query_lens_cpu = torch.tensor(qlen, dtype=torch.int32)
+
+
+def _step(seq: list[int], qlen: list[int]) -> object:
+    return _StepMetadata(seq, qlen)
+
+
+def _layer(heads: int, ratio: int) -> object:
     import types
 
-    from dsv4_attention import vllm_backend
-    from dsv4_kernels import sparse_mla
+    return types.SimpleNamespace(
+        n_local_heads=heads,
+        compress_ratio=ratio,
+        window_size=128,
+        topk_indices_buffer=torch.empty(4, 1024, dtype=torch.int32),
+    )
 
-    capability = None if major is None else types.SimpleNamespace(major=major, minor=0)
-    platform = types.SimpleNamespace(get_device_capability=lambda: capability)
-    platforms = types.ModuleType("vllm.platforms")
-    platforms.current_platform = platform  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
-    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
-    monkeypatch.setattr(sparse_mla, "wgmma_available", lambda: wgmma)
-    monkeypatch.delenv(vllm_backend.ENV_MAX_HEADS, raising=False)
-    vllm_backend._default_max_heads.cache_clear()
-    try:
-        assert vllm_backend.max_heads() == heads
-        assert vllm_backend.max_heads(4) == heads
-        assert vllm_backend.max_heads(1) == vllm_backend.max_heads(128) == shared_heads
-        monkeypatch.setenv(vllm_backend.ENV_MAX_HEADS, "12")
-        # the switch overrides the default for every layer type
-        assert [vllm_backend.max_heads(r) for r in (1, 4, 128)] == [12, 12, 12]
-    finally:
-        vllm_backend._default_max_heads.cache_clear()
+
+def test_c4a_layers_above_8_heads_follow_the_steps_rows(
+    fake_device,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On Hopper, C4A layers with 9-16 local heads take the head-exact prefill in steps
+    whose rows average at most ``C4A_SHORT_ROWS_MEAN_KEYS`` valid keys per token (run
+    17) and vLLM's elsewhere; other layer types and head counts are unaffected."""
+    from dsv4_attention import vllm_backend as vb
+
+    fake_device(9)
+    short = _step([1024] * 16, [1024] * 16)  # 247.8 keys per token
+    edge = _step([2048] * 4, [2048] * 4)  # 379.8
+    long = _step([131072], [16384])  # 1152
+    deep = _step([8192], [4096])  # a chunk deep into a request: every row full
+    assert vb.use_head_exact(_layer(16, 4), short)
+    assert vb.use_head_exact(_layer(16, 4), edge)
+    assert not vb.use_head_exact(_layer(16, 4), long)
+    assert not vb.use_head_exact(_layer(16, 4), deep)
+    assert not vb.use_head_exact(_layer(16, 4), object())  # no host lengths: vLLM's
+    assert not vb.use_head_exact(_layer(17, 4), short)
+    assert vb.use_head_exact(_layer(12, 4), short)
+    for ratio in (1, 128):  # shared-key layers: the head limit alone
+        assert vb.use_head_exact(_layer(16, ratio), long)
+        assert not vb.use_head_exact(_layer(17, ratio), short)
+    assert vb.use_head_exact(_layer(8, 4), long)  # V4-Flash TP8: always
+    # the threshold itself decides (a step at 379.8 keys on either side of it)
+    monkeypatch.setattr(vb, "C4A_SHORT_ROWS_MEAN_KEYS", 379)
+    assert not vb.use_head_exact(_layer(16, 4), _step([2048] * 4, [2048] * 4))
+    monkeypatch.setattr(vb, "C4A_SHORT_ROWS_MEAN_KEYS", 380)
+    assert vb.use_head_exact(_layer(16, 4), _step([2048] * 4, [2048] * 4))
+    # the switch sets one limit and turns the row rule off
+    monkeypatch.setenv(vb.ENV_MAX_HEADS, "8")
+    assert not vb.use_head_exact(_layer(16, 4), short)
+    monkeypatch.setenv(vb.ENV_MAX_HEADS, "16")
+    assert vb.use_head_exact(_layer(16, 4), long)
+    monkeypatch.delenv(vb.ENV_MAX_HEADS)
+    fake_device(10)  # Blackwell: vLLM's everywhere
+    assert not vb.use_head_exact(_layer(16, 4), short)

@@ -253,3 +253,63 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
         rtol=2e-2,
         msg=lambda m: f"seed {seed}: {m}",
     )
+
+
+def test_c4a_short_row_rule_reads_vllms_step_metadata(
+    vllm_env: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rule for C4A layers at 9-16 heads on Hopper reads the host-side lengths of
+    vLLM's own ``DeepseekSparseSWAMetadata`` (chunks at different depths, decodes first)
+    and counts each prefill token's valid keys as the rows hold them."""
+    from dsv4_attention import vllm_backend as vb
+
+    g = generator(fresh_seed())
+    views, _ = vllm_dsv4_caches("BLHNC", available_bytes=96 << 20)
+    caches = {v.kind: v.view for v in views}
+    batch = _batch(g, 4, caches)
+    swa = batch["swa"]
+    buffer = batch["topk_buffer"]
+    layer = types.SimpleNamespace(
+        n_local_heads=16, compress_ratio=4, window_size=128, topk_indices_buffer=buffer
+    )
+    topk = int(buffer.shape[-1])  # type: ignore[attr-defined]
+    keys = [
+        min(p + 1, 128) + min((p + 1) // 4, topk)
+        for s, q in zip(SEQ[2:], QLENS[2:], strict=True)
+        for p in range(s - q, s)
+    ]
+    mean = sum(keys) / len(keys)
+    assert vb._step_mean_keys(layer, swa) == pytest.approx(mean)
+    # on Hopper (faked: 8 heads on C4A layers, 16 on the others) the threshold decides
+    monkeypatch.setattr(vb, "_default_max_heads", lambda ratio=4: 8 if ratio == 4 else 16)
+    monkeypatch.delenv(vb.ENV_MAX_HEADS, raising=False)
+    monkeypatch.setattr(vb, "C4A_SHORT_ROWS_MEAN_KEYS", int(mean))
+    assert not vb.use_head_exact(layer, swa)
+    monkeypatch.setattr(vb, "C4A_SHORT_ROWS_MEAN_KEYS", int(mean) + 1)
+    assert vb.use_head_exact(layer, swa)
+
+
+def test_active_line_names_the_c4a_short_row_rule(
+    vllm_env: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``vllm serve`` logs on Hopper (faked): both head limits and the row rule; a
+    set ``DSV4_PREFILL_MAX_HEADS`` is one limit for every layer, without the rule."""
+    from dsv4_attention import plugin
+    from dsv4_attention import vllm_backend as vb
+
+    monkeypatch.setenv("DSV4_KERNELS_FORCE", "1")  # this CPU platform takes the CUDA set
+    monkeypatch.delenv(vb.ENV_MAX_HEADS, raising=False)
+    monkeypatch.setattr(vb, "_default_max_heads", lambda ratio=4: 8 if ratio == 4 else 16)
+    plugin.unregister()  # the plan checks vLLM's own functions, not ours in their place
+    try:
+        line = plugin._plan()[1]
+        assert (
+            "head-exact prefill on C4A layers up to 8 local heads, or 16 in steps whose rows "
+            f"average at most {vb.C4A_SHORT_ROWS_MEAN_KEYS} valid keys per token; on SWA-only "
+            "and C128A layers up to 16" in line
+        ), line
+        monkeypatch.setenv(vb.ENV_MAX_HEADS, "16")
+        line = plugin._plan()[1]
+        assert "head-exact prefill up to 16 local heads)" in line, line
+    finally:
+        plugin.register()  # as the module's fixture left it

@@ -217,9 +217,14 @@ def _plan() -> tuple[list[_Patch], str]:
                 raise _Refused(f"{consumer_name}.{name} is not vLLM's {name}")
             patches.append(_Patch(consumer, name, original, ours[name]))
     labels = list(names)
-    from .vllm_backend import ENV_MAX_HEADS, max_heads
+    from .vllm_backend import (
+        C4A_SHORT_ROWS_MEAN_KEYS,
+        ENV_MAX_HEADS,
+        max_heads,
+        short_rows_max_heads,
+    )
 
-    heads, shared_heads = max_heads(4), max_heads(1)
+    heads, shared_heads, short_heads = max_heads(4), max_heads(1), short_rows_max_heads()
     if _flag(ENV_PREFILL_DISABLE):
         prefill = f"prefill stays vLLM's ({ENV_PREFILL_DISABLE}=1)"
     elif max(heads, shared_heads) <= 0:
@@ -229,11 +234,16 @@ def _plan() -> tuple[list[_Patch], str]:
         )
     else:
         patches.append(_attention_patch())
+        c4a = f"up to {heads} local heads"
+        if short_heads > heads:
+            c4a += (
+                f", or {short_heads} in steps whose rows average at most "
+                f"{C4A_SHORT_ROWS_MEAN_KEYS} valid keys per token"
+            )
         limit = (
             f"up to {heads} local heads"
-            if heads == shared_heads
-            else f"up to {heads} local heads on C4A layers, {shared_heads} on SWA-only and "
-            "C128A layers"
+            if heads == shared_heads and short_heads <= heads
+            else f"on C4A layers {c4a}; on SWA-only and C128A layers up to {shared_heads}"
         )
         labels.append(f"DeepseekV4FlashMLAAttention._forward_prefill (head-exact prefill {limit})")
         prefill = ""

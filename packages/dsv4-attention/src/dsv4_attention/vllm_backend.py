@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,17 +30,24 @@ ENV_MAX_HEADS = "DSV4_PREFILL_MAX_HEADS"
 # On Hopper our Gluon wgmma kernel (dsv4_kernels._gluon_sparse_mla) is measured
 # faster than FlashMLA padded to 64 heads (plus vLLM's gather and combine) at 8
 # local heads (V4-Flash TP8) for every layer type; at 16 (V4-Pro TP8) on SWA-only
-# and C128A layers (grouped rows) but not on long-context C4A layers, on the H200
-# (docs/attention.md).  So the head-exact prefill takes up to 8 heads on C4A layers
-# there and up to 16 on the others.  On Blackwell only the Triton kernel runs,
-# which FlashMLA beats: off.  Elsewhere (e.g. sm80, sm89, where FlashMLA cannot
-# run) it is the only prefill and is on for every head count.
+# and C128A layers (grouped rows), and on C4A layers only where their rows are
+# short (docs/attention.md).  So the head-exact prefill takes up to 8 heads on C4A
+# layers there (16 in steps whose C4A rows are short) and up to 16 on the others.
+# On Blackwell only the Triton kernel runs, which FlashMLA beats: off.  Elsewhere
+# (e.g. sm80, sm89, where FlashMLA cannot run) it is the only prefill and is on for
+# every head count.
 FLASHMLA_MAJORS = (9, 10)
 HOPPER_MAX_HEADS = 8  # C4A layers
 HOPPER_MAX_HEADS_SHARED_KEYS = 16  # SWA-only and C128A layers
+# C4A layers above HOPPER_MAX_HEADS, up to HOPPER_MAX_HEADS_SHARED_KEYS (V4-Pro TP8)
+# on Hopper take the head-exact prefill in steps whose C4A rows are short: run 17
+# (``python3 -m benchmarks.exp_context``, 16 heads) measured ours 1.18x faster than
+# FlashMLA plus gather at a mean of 248 valid keys per token, 1.08x at 380, even
+# at 638 and 1.07-1.11x slower from 895 keys to the full 1,152.
+C4A_SHORT_ROWS_MEAN_KEYS = 512
 
 
-_STEP: dict[str, Any] = {"meta": None, "plan": None}
+_STEP: dict[str, Any] = {"meta": None, "plan": None, "keys_meta": None, "keys": {}}
 
 
 @functools.cache
@@ -82,13 +90,78 @@ def max_heads(compress_ratio: int = 4) -> int:
     return value
 
 
+def short_rows_max_heads() -> int:
+    """Largest local head count whose C4A layers take the head-exact prefill in steps
+    with short rows (:data:`C4A_SHORT_ROWS_MEAN_KEYS`): 16 on Hopper with the Gluon
+    wgmma kernel, 0 elsewhere and whenever ``DSV4_PREFILL_MAX_HEADS`` sets the limit."""
+    if os.environ.get(ENV_MAX_HEADS, "").strip():
+        return 0
+    shared = _default_max_heads(1)
+    return shared if shared == HOPPER_MAX_HEADS_SHARED_KEYS else 0
+
+
+def _keys_upto(n: int, window: int, topk: int) -> int:
+    """Valid keys of the C4A rows of positions ``0 .. n - 1`` together: position ``p``
+    reads ``min(p + 1, window)`` window keys and ``min((p + 1) // 4, topk)`` compressed
+    ones (its top-k, or every compressed entry while there are fewer)."""
+    w = n * (n + 1) // 2 if n <= window else window * (window + 1) // 2 + (n - window) * window
+    c = min(n, 4 * topk - 1)  # (m // 4) < topk for m <= c
+    a, b = divmod(c, 4)
+    comp = 2 * a * (a - 1) + (b + 1) * a + max(0, n - c) * topk
+    return w + comp
+
+
+def c4a_mean_keys(
+    seq_lens: Sequence[int], query_lens: Sequence[int], window: int, topk: int
+) -> float:
+    """Mean valid keys per prefill token of a C4A layer for requests whose chunks end
+    at ``seq_lens`` and hold ``query_lens`` tokens (0.0 for no tokens)."""
+    tokens = sum(int(q) for q in query_lens)
+    if tokens == 0:
+        return 0.0
+    total = sum(
+        _keys_upto(int(s), window, topk) - _keys_upto(int(s) - int(q), window, topk)
+        for s, q in zip(seq_lens, query_lens, strict=True)
+    )
+    return total / tokens
+
+
+def _step_mean_keys(layer: Any, swa_metadata: Any) -> float:
+    """:func:`c4a_mean_keys` of this step's prefills, from vLLM's host copies of the
+    lengths (no device synchronisation), once per step and row shape; infinite when
+    the metadata lacks them."""
+    seq = getattr(swa_metadata, "prefill_seq_lens_cpu", None)
+    qlen = getattr(swa_metadata, "prefill_query_lens_cpu", None)
+    if seq is None or qlen is None:
+        return float("inf")
+    key = (int(layer.window_size), int(layer.topk_indices_buffer.shape[-1]))
+    held = _STEP["keys_meta"]
+    if held is None or held() is not swa_metadata:
+        _STEP["keys_meta"], _STEP["keys"] = weakref.ref(swa_metadata), {}
+    cache = _STEP["keys"]
+    if key not in cache:
+        cache[key] = c4a_mean_keys(seq.tolist(), qlen.tolist(), *key)
+    return float(cache[key])
+
+
 def use_head_exact(layer: Any, swa_metadata: Any) -> bool:
-    """Whether this layer's prefill in this step takes the head-exact path."""
+    """Whether this layer's prefill in this step takes the head-exact path: its local
+    heads within :func:`max_heads` for its layer type, or a C4A layer within
+    :func:`short_rows_max_heads` in a step whose rows are short."""
+    ratio = int(layer.compress_ratio)
+    if (
+        ratio not in (1, 4, 128)
+        or getattr(swa_metadata, "prefill_left_visible", None) is not None
+        or getattr(swa_metadata, "prefill_right_visible", None) is not None
+    ):
+        return False
+    heads = int(layer.n_local_heads)
+    if heads <= max_heads(ratio):
+        return True
     return (
-        int(layer.compress_ratio) in (1, 4, 128)
-        and int(layer.n_local_heads) <= max_heads(int(layer.compress_ratio))
-        and getattr(swa_metadata, "prefill_left_visible", None) is None
-        and getattr(swa_metadata, "prefill_right_visible", None) is None
+        ratio == 4
+        and heads <= short_rows_max_heads()
+        and _step_mean_keys(layer, swa_metadata) <= C4A_SHORT_ROWS_MEAN_KEYS
     )
 
 
