@@ -194,6 +194,9 @@ def test_c4a_layers_above_8_heads_follow_the_steps_rows(
     assert not vb.use_head_exact(_layer(16, 4), long)
     assert not vb.use_head_exact(_layer(16, 4), deep)
     assert not vb.use_head_exact(_layer(16, 4), object())  # no host lengths: vLLM's
+    no_buffer = _layer(16, 4)
+    no_buffer.topk_indices_buffer = None  # type: ignore[attr-defined]
+    assert not vb.use_head_exact(no_buffer, short)
     assert not vb.use_head_exact(_layer(17, 4), short)
     assert vb.use_head_exact(_layer(12, 4), short)
     for ratio in (1, 128):  # shared-key layers: the head limit alone

@@ -129,12 +129,13 @@ def c4a_mean_keys(
 def _step_mean_keys(layer: Any, swa_metadata: Any) -> float:
     """:func:`c4a_mean_keys` of this step's prefills, from vLLM's host copies of the
     lengths (no device synchronisation), once per step and row shape; infinite when
-    the metadata lacks them."""
+    the metadata lacks them or the layer has no top-k buffer."""
     seq = getattr(swa_metadata, "prefill_seq_lens_cpu", None)
     qlen = getattr(swa_metadata, "prefill_query_lens_cpu", None)
-    if seq is None or qlen is None:
+    topk = getattr(layer, "topk_indices_buffer", None)
+    if seq is None or qlen is None or topk is None:
         return float("inf")
-    key = (int(layer.window_size), int(layer.topk_indices_buffer.shape[-1]))
+    key = (int(layer.window_size), int(topk.shape[-1]))
     held = _STEP["keys_meta"]
     if held is None or held() is not swa_metadata:
         _STEP["keys_meta"], _STEP["keys"] = weakref.ref(swa_metadata), {}
