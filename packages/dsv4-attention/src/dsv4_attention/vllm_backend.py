@@ -47,7 +47,18 @@ HOPPER_MAX_HEADS_SHARED_KEYS = 16  # SWA-only and C128A layers
 C4A_SHORT_ROWS_MEAN_KEYS = 512
 
 
-_STEP: dict[str, Any] = {"meta": None, "plan": None, "keys_meta": None, "keys": {}}
+# What the layers of one step share, dropped when vLLM's step metadata changes: the
+# prefill plan (built by the step's first layer) and the C4A rows' mean key counts.
+_STEP: dict[str, Any] = {"meta": None, "plan": None, "keys": {}}
+
+
+def _step(swa_metadata: Any) -> dict[str, Any]:
+    """The shared state of the step ``swa_metadata`` belongs to (vLLM builds one such
+    object per step and every attention layer of the step sees it)."""
+    held = _STEP["meta"]
+    if held is None or held() is not swa_metadata:
+        _STEP.update(meta=weakref.ref(swa_metadata), plan=None, keys={})
+    return _STEP
 
 
 @functools.cache
@@ -136,10 +147,7 @@ def _step_mean_keys(layer: Any, swa_metadata: Any) -> float:
     if seq is None or qlen is None or topk is None:
         return float("inf")
     key = (int(layer.window_size), int(topk.shape[-1]))
-    held = _STEP["keys_meta"]
-    if held is None or held() is not swa_metadata:
-        _STEP["keys_meta"], _STEP["keys"] = weakref.ref(swa_metadata), {}
-    cache = _STEP["keys"]
+    cache = _step(swa_metadata)["keys"]
     if key not in cache:
         cache[key] = c4a_mean_keys(seq.tolist(), qlen.tolist(), *key)
     return float(cache[key])
@@ -175,17 +183,16 @@ def _step_plan(swa_metadata: Any) -> Any:
     """
     from .prefill import PrefillPlan
 
-    held = _STEP["meta"]
-    if held is None or held() is not swa_metadata:
+    step = _step(swa_metadata)
+    if step["plan"] is None:
         num_decodes = int(swa_metadata.num_decodes)
         num_prefills = int(swa_metadata.num_prefills)
-        plan = PrefillPlan(
+        step["plan"] = PrefillPlan(
             swa_metadata.query_start_loc[num_decodes : num_decodes + num_prefills + 1],
             swa_metadata.prefill_seq_lens,
             num_tokens=int(swa_metadata.num_prefill_tokens),
         )
-        _STEP["meta"], _STEP["plan"] = weakref.ref(swa_metadata), plan
-    return _STEP["plan"]
+    return step["plan"]
 
 
 def head_exact_prefill(
