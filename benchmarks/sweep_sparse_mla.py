@@ -61,6 +61,9 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("wgmma-smem-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "IO_VEC": 0}),
         ("wgmma-reg-a", {**WG, "MAXNREG_H8": 168, "REG_A": 1}),
         ("wgmma-reg-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "IO_VEC": 0}),
+        # the gathers with ld.global.cg (cached in L2 only: no L1 fill of the lines)
+        ("wgmma-smem-a-cg", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "GATHER_CG": 1}),
+        ("wgmma-reg-a-cg", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "GATHER_CG": 1}),
     ],
     "large": [
         ("old-default", OLD_LARGE),
