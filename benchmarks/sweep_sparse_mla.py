@@ -17,7 +17,8 @@ compile-time shape, which fills Triton's on-disk cache for the timed process.
 a check of the script, times meaningless).  Runs 5 and 6 (docs/attention.md)
 measured earlier variant sets, among them a column-piece kernel since removed;
 run 16 measured two kernels kept only in git history (``REG_V`` at commit
-``54b0a05``, the warp-specialised kernel at ``8f98350``: docs/attention.md).
+``54b0a05``, the warp-specialised kernel at ``8f98350``: docs/attention.md), and
+run 18 the gathers as ``ld.global.cg`` (``GATHER_CG`` at ``a6a0cd2``).
 """
 
 from __future__ import annotations
@@ -61,9 +62,6 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("wgmma-smem-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "IO_VEC": 0}),
         ("wgmma-reg-a", {**WG, "MAXNREG_H8": 168, "REG_A": 1}),
         ("wgmma-reg-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "IO_VEC": 0}),
-        # the gathers with ld.global.cg (cached in L2 only: no L1 fill of the lines)
-        ("wgmma-smem-a-cg", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "GATHER_CG": 1}),
-        ("wgmma-reg-a-cg", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "GATHER_CG": 1}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

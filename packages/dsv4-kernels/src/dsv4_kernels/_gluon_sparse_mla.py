@@ -88,31 +88,27 @@ def _load_tile(
     NOPE_: gl.constexpr,
     L_CODE: gl.constexpr,
     L_ROPE: gl.constexpr,
-    CM: gl.constexpr,
 ):
     """The tile's raw bytes: seven ``[BN, 64]`` uint8 code blocks, the ``[BN]`` int64
     words of scale bytes and the ``[BN, 64]`` bf16 rope values."""
     e = gl.arange(0, QB, layout=gl.SliceLayout(0, L_CODE))
     m2 = gl.expand_dims(ok, 1)
     p2 = gl.expand_dims(data, 1) + gl.expand_dims(e, 0)
-    c0 = gl.load(p2, mask=m2, other=0, cache_modifier=CM)
-    c1 = gl.load(p2 + QB, mask=m2, other=0, cache_modifier=CM)
-    c2 = gl.load(p2 + 2 * QB, mask=m2, other=0, cache_modifier=CM)
-    c3 = gl.load(p2 + 3 * QB, mask=m2, other=0, cache_modifier=CM)
-    c4 = gl.load(p2 + 4 * QB, mask=m2, other=0, cache_modifier=CM)
-    c5 = gl.load(p2 + 5 * QB, mask=m2, other=0, cache_modifier=CM)
-    c6 = gl.load(p2 + 6 * QB, mask=m2, other=0, cache_modifier=CM)
+    c0 = gl.load(p2, mask=m2, other=0)
+    c1 = gl.load(p2 + QB, mask=m2, other=0)
+    c2 = gl.load(p2 + 2 * QB, mask=m2, other=0)
+    c3 = gl.load(p2 + 3 * QB, mask=m2, other=0)
+    c4 = gl.load(p2 + 4 * QB, mask=m2, other=0)
+    c5 = gl.load(p2 + 5 * QB, mask=m2, other=0)
+    c6 = gl.load(p2 + 6 * QB, mask=m2, other=0)
     # the seven scale bytes as one 8-byte word (byte 7 is padding)
-    sb = gl.load(scales.to(gl.pointer_type(gl.int64)), mask=ok, other=0, cache_modifier=CM)
+    sb = gl.load(scales.to(gl.pointer_type(gl.int64)), mask=ok, other=0)
     ok_r = gl.convert_layout(ok, gl.SliceLayout(1, L_ROPE))
     data_r = gl.convert_layout(data, gl.SliceLayout(1, L_ROPE))
     er = gl.arange(0, QB, layout=gl.SliceLayout(0, L_ROPE))
     rope_ptr = (data_r + NOPE_).to(gl.pointer_type(gl.bfloat16))
     rope = gl.load(
-        gl.expand_dims(rope_ptr, 1) + gl.expand_dims(er, 0),
-        mask=gl.expand_dims(ok_r, 1),
-        other=0.0,
-        cache_modifier=CM,
+        gl.expand_dims(rope_ptr, 1) + gl.expand_dims(er, 0), mask=gl.expand_dims(ok_r, 1), other=0.0
     )
     return c0, c1, c2, c3, c4, c5, c6, sb, rope
 
@@ -188,7 +184,6 @@ def _attend_source(
     ASYNC_PV: gl.constexpr,
     REG_A: gl.constexpr,
     PER_ROW: gl.constexpr,
-    CM: gl.constexpr,
 ):
     """Online softmax over columns ``lo .. length`` of one key source (tiles of ``BN``
     keys).  With ``PER_ROW`` column ``j`` counts for row ``r`` (a token's head) only where
@@ -211,7 +206,7 @@ def _attend_source(
         q_smem = q_all.index(z)
         p_smem = p_all.index(z)
         c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(
-            ok, data, scales, QB, NOPE_, L_CODE, L_ROPE, CM
+            ok, data, scales, QB, NOPE_, L_CODE, L_ROPE
         )
         ok_s = gl.convert_layout(ok, gl.SliceLayout(1, L_MMA))
         # the next tile's index entries, the first of its two dependent loads, before this
@@ -308,7 +303,7 @@ def _sparse_mla_wgmma_kernel(
     DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
     HT: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
     G: gl.constexpr = 1, A_HAS_STARTS: gl.constexpr = False,
-    B_HAS_STARTS: gl.constexpr = False, GATHER_CG: gl.constexpr = False,
+    B_HAS_STARTS: gl.constexpr = False,
 ):  # fmt: skip
     """One program per query token (``G == 1``) or per ``G`` consecutive tokens that share
     key rows: token ``t`` reads the rows of token ``lead_ptr[t]`` (its leader, at or
@@ -320,7 +315,6 @@ def _sparse_mla_wgmma_kernel(
     QB: gl.constexpr = 64
     NOPE_: gl.constexpr = 448
     HP: gl.constexpr = G * HT
-    CM: gl.constexpr = ".cg" if GATHER_CG else ""  # the gathers' cache modifier
     # 16-byte rows of FP8 codes and bf16 values, 4 threads per 64-column block
     # (REG_A: rows as wgmma's accumulator rows, so the codes' registers relabel as its A
     # operand; the rope takes the same layout)
@@ -382,7 +376,7 @@ def _sparse_mla_wgmma_kernel(
         acc, m_i, l_i = _attend_source(
             acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + first * a_idx_stride,
             0, a_end, a_end, a_end, a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES,
-            SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False, CM,
+            SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
         )  # fmt: skip
         if HAS_B:
             b_end = b_width
@@ -392,7 +386,7 @@ def _sparse_mla_wgmma_kernel(
                 acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr,
                 b_idx_ptr + first * b_idx_stride, 0, b_end, b_end, b_end, b_row_stride,
                 b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_,
-                L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False, CM,
+                L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
             )  # fmt: skip
     else:
         # One pass per leader among the group's tokens (one, unless a request starts
@@ -412,7 +406,7 @@ def _sparse_mla_wgmma_kernel(
                     a_idx_ptr + leader * a_idx_stride, gl.min(a_lo, axis=0),
                     gl.max(a_hi, axis=0), a_lo, a_hi, a_row_stride, a_num_rows, qk_scale,
                     A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA,
-                    ASYNC_PV, REG_A, True, CM,
+                    ASYNC_PV, REG_A, True,
                 )  # fmt: skip
                 if HAS_B:
                     b_lo, b_hi = _row_range(b_len_ptr, b_start_ptr, b_width, ts, mine,
@@ -422,7 +416,7 @@ def _sparse_mla_wgmma_kernel(
                         b_idx_ptr + leader * b_idx_stride, gl.min(b_lo, axis=0),
                         gl.max(b_hi, axis=0), b_lo, b_hi, b_row_stride, b_num_rows, qk_scale,
                         B_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE,
-                        L_MMA, ASYNC_PV, REG_A, True, CM,
+                        L_MMA, ASYNC_PV, REG_A, True,
                     )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453

@@ -201,7 +201,6 @@ def _launch_wgmma(
                 else tiles.get("REG_A", tiles.get("REG_A_H8", 0) if hp == 8 else 0)
             ),
             IO_VEC=bool(tiles.get("IO_VEC", 1)) and _whole_vectors(q, out),
-            GATHER_CG=bool(tiles.get("GATHER_CG", 0)),
             num_warps=4,
             **({"maxnreg": nreg} if nreg else {}),
         )
