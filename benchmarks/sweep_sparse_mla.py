@@ -52,6 +52,8 @@ CASES = (
 OLD_SMALL = dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=4, NUM_STAGES=1, PREFETCH=1, BF16_DEQUANT=0)
 OLD_LARGE = dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=1, PREFETCH=0, BF16_DEQUANT=1)
 WG = {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1}
+# run 19: 384 threads (two consumer warpgroups, two copier warps, two idle) fit 168 registers
+TMA = {**WG, "TMA": 1, "TMA_MAXNREG": 168}
 VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
     "small": [
         ("old-default", OLD_SMALL),
@@ -62,6 +64,11 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("wgmma-smem-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "IO_VEC": 0}),
         ("wgmma-reg-a", {**WG, "MAXNREG_H8": 168, "REG_A": 1}),
         ("wgmma-reg-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "IO_VEC": 0}),
+        # run 19: tensor-map copies into shared FP8 stages (copier warps, two consumers)
+        ("tma-reg-a", {**TMA, "REG_A": 1}),
+        ("tma-reg-a-c96", {**TMA, "REG_A": 1, "TMA_COPIER_REGS": 96}),
+        ("tma-reg-a-c232", {**TMA, "REG_A": 1, "TMA_COPIER_REGS": 232}),
+        ("tma-smem-a-c96", {**TMA, "REG_A": 0, "TMA_COPIER_REGS": 96}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

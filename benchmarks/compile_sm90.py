@@ -1,0 +1,151 @@
+"""Compile the sparse MLA kernels for sm_90 on a machine without a GPU: registers, spills, size.
+
+``python -m benchmarks.compile_sm90 [--case NAME] [--variants a,b] [--sass DIR]``
+
+Runs each named variant of :data:`benchmarks.sweep_sparse_mla.VARIANTS` (default:
+the two wgmma defaults) through the public ``sparse_mla_paged`` call on CPU tensors
+of the case's compile-time shape, with the launch replaced by an offline compile for
+an H100/H200 (``GPUTarget("cuda", 90, 32)``), and prints one JSON line per variant:
+registers per thread, stack (spill) bytes, shared memory, SASS instructions, and
+the local-memory stores and loads in the SASS.  ``--sass DIR`` also writes each
+variant's SASS there.  Needs a Triton with its NVIDIA backend (the PyPI wheel: its
+``ptxas`` and ``cuobjdump`` are bundled) and no ``TRITON_INTERPRET``; nothing runs
+on a GPU, so this says what the compiler made, never how fast it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _compiler() -> tuple[Any, Any]:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    target = GPUTarget("cuda", 90, 32)
+    return target, make_backend(target)
+
+
+class _Offline:
+    """Stands in for a jitted kernel: ``kernel[grid](*args, **kw)`` compiles, never runs."""
+
+    def __init__(self, fn: Any, sink: list[Any]) -> None:
+        self.fn, self.sink = fn, sink
+
+    def __getitem__(self, grid: Any) -> Any:
+        def compile_only(*args: Any, **kwargs: Any) -> None:
+            from triton.compiler import ASTSource
+            from triton.compiler import compile as tcompile
+            from triton.experimental.gluon._runtime import GluonASTSource
+            from triton.runtime.jit import create_function_from_signature
+
+            target, backend = _compiler()
+            fn = self.fn
+            binder = create_function_from_signature(fn.signature, fn.params, backend)
+            bound, spec, opts = binder(*args, **kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(
+                backend, kwargs, bound, spec, opts
+            )
+            source = GluonASTSource if fn.is_gluon() else ASTSource
+            kernel = tcompile(
+                source(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+            )
+            self.sink.append((fn.__name__, kernel))
+
+        return compile_only
+
+
+def _cuobjdump(cubin: bytes, *flags: str) -> str:
+    from triton.backends.nvidia import __file__ as nv
+
+    tool = Path(nv).parent / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), *flags, f.name], capture_output=True, text=True).stdout
+
+
+def compile_variant(case: str, tiles: dict[str, int]) -> list[tuple[str, Any]]:
+    """The kernels one ``sparse_mla_paged`` call of ``case`` launches with ``tiles``."""
+    from dsv4_kernels import _gluon_sparse_mla as g
+    from dsv4_kernels import _triton_sparse_mla as k
+    from dsv4_kernels import sparse_mla as sm
+
+    from .cases_sparse_mla import MATRIX, make_inputs
+    from .sweep_sparse_mla import _cls, _set, _tiny
+
+    shape = next(s for s in MATRIX if s.name.startswith(case))
+    compiled: list[tuple[str, Any]] = []
+    from dsv4_kernels import _gluon_tma_sparse_mla as tk
+
+    saved = (sm._wgmma_ok, sm.use_triton, g._sparse_mla_wgmma_kernel, k._sparse_mla_kernel)
+    saved_tma = (sm._sm_count, tk._sparse_mla_tma_kernel)
+    try:
+        sm._wgmma_ok = lambda *a: a[1].get("KERNEL", 0) == 2 and a[2] and a[3]  # type: ignore
+        sm.use_triton = lambda device: True  # type: ignore[assignment]
+        g._sparse_mla_wgmma_kernel = _Offline(saved[2], compiled)  # type: ignore[assignment]
+        k._sparse_mla_kernel = _Offline(saved[3], compiled)  # type: ignore[assignment]
+        sm._sm_count = lambda index: 132  # type: ignore[assignment]  # an H100/H200 SXM
+        tk._sparse_mla_tma_kernel = _Offline(saved_tma[1], compiled)  # type: ignore
+        _set(_cls(shape.heads), tiles)
+        inp = make_inputs(_tiny(shape), torch.device("cpu"), 1)
+        T, H, _ = inp.q.shape
+        out = torch.empty((T, H, 512), dtype=torch.bfloat16)
+        lse = torch.empty((T, H), dtype=torch.float32)
+        inp.run_paged(out, lse)
+    finally:
+        sm._wgmma_ok, sm.use_triton = saved[0], saved[1]  # type: ignore[assignment]
+        g._sparse_mla_wgmma_kernel, k._sparse_mla_kernel = saved[2], saved[3]  # type: ignore
+        sm._sm_count, tk._sparse_mla_tma_kernel = saved_tma  # type: ignore[assignment]
+    return compiled
+
+
+def describe(kernel: Any) -> dict[str, Any]:
+    cubin = kernel.asm["cubin"]
+    usage = _cuobjdump(cubin, "-res-usage")
+    sass = _cuobjdump(cubin, "-sass")
+    field = {m[0]: int(m[1]) for m in re.findall(r"(REG|STACK):(\d+)", usage)}
+    return dict(
+        registers=field.get("REG"),
+        stack_bytes=field.get("STACK"),
+        shared_bytes=kernel.metadata.shared,
+        sass_instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
+        local_stores=len(re.findall(r"\bSTL\b", sass)),
+        local_loads=len(re.findall(r"\bLDL\b", sass)),
+        sass=sass,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .sweep_sparse_mla import VARIANTS
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--case", default="c4a-flash-tp8-1x16384")
+    p.add_argument("--variants", default="wgmma-reg-a,wgmma-smem-a")
+    p.add_argument("--sass", type=Path, help="write each variant's SASS into this folder")
+    args = p.parse_args(argv)
+    known = {name: tiles for cls in VARIANTS.values() for name, tiles in cls}
+    names = [n for n in args.variants.split(",") if n]
+    if unknown := [n for n in names if n not in known]:
+        p.error(f"--variants: unknown {unknown}; known: {sorted(known)}")
+    for name in names:
+        for kernel_name, kernel in compile_variant(args.case, known[name]):
+            info = describe(kernel)
+            sass = info.pop("sass")
+            if args.sass:
+                args.sass.mkdir(parents=True, exist_ok=True)
+                (args.sass / f"{args.case}-{name}.sass").write_text(sass)
+            print(json.dumps(dict(case=args.case, variant=name, kernel=kernel_name, **info)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
