@@ -18,7 +18,8 @@ a check of the script, times meaningless).  Runs 5 and 6 (docs/attention.md)
 measured earlier variant sets, among them a column-piece kernel since removed;
 run 16 measured two kernels kept only in git history (``REG_V`` at commit
 ``54b0a05``, the warp-specialised kernel at ``8f98350``: docs/attention.md), and
-run 18 the gathers as ``ld.global.cg`` (``GATHER_CG`` at ``a6a0cd2``).
+run 18 the gathers as ``ld.global.cg`` (``GATHER_CG`` at ``a6a0cd2``), run 19 a
+tensor-map-copy kernel (``TMA`` at ``85fc3a1``).
 """
 
 from __future__ import annotations
@@ -52,8 +53,6 @@ CASES = (
 OLD_SMALL = dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=4, NUM_STAGES=1, PREFETCH=1, BF16_DEQUANT=0)
 OLD_LARGE = dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=1, PREFETCH=0, BF16_DEQUANT=1)
 WG = {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1}
-# run 19: 384 threads (two consumer warpgroups, two copier warps, two idle) fit 168 registers
-TMA = {**WG, "TMA": 1, "TMA_MAXNREG": 168}
 VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
     "small": [
         ("old-default", OLD_SMALL),
@@ -64,11 +63,6 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
         ("wgmma-smem-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "IO_VEC": 0}),
         ("wgmma-reg-a", {**WG, "MAXNREG_H8": 168, "REG_A": 1}),
         ("wgmma-reg-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "IO_VEC": 0}),
-        # run 19: tensor-map copies into shared FP8 stages (copier warps, two consumers)
-        ("tma-reg-a", {**TMA, "REG_A": 1}),
-        ("tma-reg-a-c96", {**TMA, "REG_A": 1, "TMA_COPIER_REGS": 96}),
-        ("tma-reg-a-c232", {**TMA, "REG_A": 1, "TMA_COPIER_REGS": 232}),
-        ("tma-smem-a-c96", {**TMA, "REG_A": 0, "TMA_COPIER_REGS": 96}),
     ],
     "large": [
         ("old-default", OLD_LARGE),

@@ -172,8 +172,6 @@ def _launch_wgmma(
     from . import _gluon_sparse_mla as g
 
     q, out = args[0], args[1]
-    if grouping is None and tiles.get("TMA") and _launch_tma(T, H, args, meta, tiles):
-        return True
 
     hp = 8 if H <= 8 else 16
     nreg = tiles.get("MAXNREG") or (tiles.get("MAXNREG_H8") if hp == 8 else None)
@@ -219,56 +217,6 @@ def _launch_wgmma(
             stacklevel=4,
         )
         return False
-    return True
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
-
-
-def _tma_descs(src: torch.Tensor, row_stride: int, num_rows: int, slots: int) -> Any:
-    """Two tensor maps over a page cache seen as 64-byte rows (boxes of 8 rows and of 1),
-    the rows per page and the first row past the map; None where the cache cannot be."""
-    from triton.experimental.gluon.language import NVMMASharedLayout
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    if row_stride % 64 or src.data_ptr() % 64:
-        return None
-    pages = num_rows // slots
-    rows = ((pages - 1) * row_stride + slots * (TOKEN_DATA_BYTES + TOKEN_SCALE_BYTES)) // 64
-    layout = NVMMASharedLayout(0, 8)
-    d8 = TensorDescriptor(src, [rows, 64], [64, 1], [8, 64], layout)
-    d1 = TensorDescriptor(src, [rows, 64], [64, 1], [1, 64], layout)
-    return d8, d1, row_stride // 64, rows
-
-
-def _launch_tma(
-    T: int, H: int, args: tuple[Any, ...], meta: dict[str, Any], tiles: dict[str, int]
-) -> bool:
-    """Experiment (run 19): the tensor-map-copy kernel (:mod:`._gluon_tma_sparse_mla`)."""
-    q, out = args[0], args[1]
-    if T == 0 or H > 16 or not _whole_vectors(q, out):
-        return False
-    from . import _gluon_tma_sparse_mla as tk
-
-    a = _tma_descs(args[4], args[14], args[15], meta["A_SLOTS"])
-    b = _tma_descs(args[7], args[18], args[19], meta["B_SLOTS"]) if meta["HAS_B"] else a
-    if a is None or b is None:
-        return False
-    hp = 8 if H <= 8 else 16
-    tk._sparse_mla_tma_kernel[(min(triton.cdiv(T, 2), _sm_count(q.device.index or 0)),)](
-        *args,
-        a[0], a[1], b[0], b[1], a[2], b[2], a[3], b[3],
-        **meta,
-        HT=hp,
-        NST=tiles.get("TMA_STAGES", 1),
-        REG_A=bool(tiles.get("REG_A", 1 if hp == 8 else 0)),
-        COPIER_REGS=tiles.get("TMA_COPIER_REGS", 48),
-        CONSUMER_REGS=tiles.get("TMA_CONSUMER_REGS", 168),
-        num_warps=4,
-        maxnreg=tiles.get("TMA_MAXNREG", 168),
-    )  # fmt: skip
     return True
 
 
