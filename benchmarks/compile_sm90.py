@@ -1,16 +1,18 @@
 """Compile the sparse MLA kernels for sm_90 on a machine without a GPU: registers, spills, size.
 
-``python -m benchmarks.compile_sm90 [--case NAME] [--variants a,b] [--sass DIR]``
+``python -m benchmarks.compile_sm90 [--case NAME] [--variants a,b] [--group G] [--sass DIR]``
 
-Runs each named variant of :data:`benchmarks.sweep_sparse_mla.VARIANTS` (default:
-the two wgmma defaults) through the public ``sparse_mla_paged`` call on CPU tensors
-of the case's compile-time shape, with the launch replaced by an offline compile for
-an H100/H200 (``GPUTarget("cuda", 90, 32)``), and prints one JSON line per variant:
+Runs each named variant of :data:`benchmarks.sweep_sparse_mla.VARIANTS` (or
+``default``, the shipped tiles of :data:`dsv4_kernels.sparse_mla.TILES`: the
+default) through the public ``sparse_mla_paged`` call on CPU tensors of the case's
+compile-time shape, with the launch replaced by an offline compile for an H100/H200
+(``GPUTarget("cuda", 90, 32)``), and prints one JSON line per compiled kernel:
 registers per thread, stack (spill) bytes, shared memory, SASS instructions, and
 the local-memory stores and loads in the SASS.  ``--sass DIR`` also writes each
 variant's SASS there.  Needs a Triton with its NVIDIA backend (the PyPI wheel: its
 ``ptxas`` and ``cuobjdump`` are bundled) and no ``TRITON_INTERPRET``; nothing runs
-on a GPU, so this says what the compiler made, never how fast it is.
+on a GPU, so this says what the compiler made, never how fast it is.  The CPU
+suite runs it (``tests/kernels/test_codegen_sparse_mla.py``).
 """
 
 from __future__ import annotations
@@ -73,8 +75,12 @@ def _cuobjdump(cubin: bytes, *flags: str) -> str:
         return subprocess.run([str(tool), *flags, f.name], capture_output=True, text=True).stdout
 
 
-def compile_variant(case: str, tiles: dict[str, int]) -> list[tuple[str, Any]]:
-    """The kernels one ``sparse_mla_paged`` call of ``case`` launches with ``tiles``."""
+def compile_variant(
+    case: str, tiles: dict[str, int] | None, group: int = 0
+) -> list[tuple[str, Any]]:
+    """The kernels one ``sparse_mla_paged`` call of ``case`` launches with ``tiles``
+    (on grouped rows of ``group`` tokens when it is 2 or more: SWA-only and C128A;
+    ``tiles`` None: the shipped ones)."""
     from dsv4_kernels import _gluon_sparse_mla as g
     from dsv4_kernels import _triton_sparse_mla as k
     from dsv4_kernels import sparse_mla as sm
@@ -84,27 +90,27 @@ def compile_variant(case: str, tiles: dict[str, int]) -> list[tuple[str, Any]]:
 
     shape = next(s for s in MATRIX if s.name.startswith(case))
     compiled: list[tuple[str, Any]] = []
-    from dsv4_kernels import _gluon_tma_sparse_mla as tk
-
+    saved_tiles = sm.TILES
     saved = (sm._wgmma_ok, sm.use_triton, g._sparse_mla_wgmma_kernel, k._sparse_mla_kernel)
-    saved_tma = (sm._sm_count, tk._sparse_mla_tma_kernel)
     try:
         sm._wgmma_ok = lambda *a: a[1].get("KERNEL", 0) == 2 and a[2] and a[3]  # type: ignore
         sm.use_triton = lambda device: True  # type: ignore[assignment]
         g._sparse_mla_wgmma_kernel = _Offline(saved[2], compiled)  # type: ignore[assignment]
         k._sparse_mla_kernel = _Offline(saved[3], compiled)  # type: ignore[assignment]
-        sm._sm_count = lambda index: 132  # type: ignore[assignment]  # an H100/H200 SXM
-        tk._sparse_mla_tma_kernel = _Offline(saved_tma[1], compiled)  # type: ignore
-        _set(_cls(shape.heads), tiles)
+        if tiles is not None:
+            _set(_cls(shape.heads), tiles)
         inp = make_inputs(_tiny(shape), torch.device("cpu"), 1)
         T, H, _ = inp.q.shape
         out = torch.empty((T, H, 512), dtype=torch.bfloat16)
         lse = torch.empty((T, H), dtype=torch.float32)
-        inp.run_paged(out, lse)
+        if group > 1:
+            inp.run_grouped(out, lse, inp.build_grouped(group))
+        else:
+            inp.run_paged(out, lse)
     finally:
+        sm.TILES = saved_tiles
         sm._wgmma_ok, sm.use_triton = saved[0], saved[1]  # type: ignore[assignment]
         g._sparse_mla_wgmma_kernel, k._sparse_mla_kernel = saved[2], saved[3]  # type: ignore
-        sm._sm_count, tk._sparse_mla_tma_kernel = saved_tma  # type: ignore[assignment]
     return compiled
 
 
@@ -129,21 +135,30 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--case", default="c4a-flash-tp8-1x16384")
-    p.add_argument("--variants", default="wgmma-reg-a,wgmma-smem-a")
+    p.add_argument(
+        "--variants",
+        default="default",
+        help="names in benchmarks.sweep_sparse_mla.VARIANTS, or default (the shipped tiles)",
+    )
+    p.add_argument("--group", type=int, default=0, help="grouped rows of this many tokens")
     p.add_argument("--sass", type=Path, help="write each variant's SASS into this folder")
     args = p.parse_args(argv)
-    known = {name: tiles for cls in VARIANTS.values() for name, tiles in cls}
+    known: dict[str, dict[str, int] | None] = {
+        name: tiles for cls in VARIANTS.values() for name, tiles in cls
+    }
+    known["default"] = None
     names = [n for n in args.variants.split(",") if n]
     if unknown := [n for n in names if n not in known]:
         p.error(f"--variants: unknown {unknown}; known: {sorted(known)}")
     for name in names:
-        for kernel_name, kernel in compile_variant(args.case, known[name]):
+        for kernel_name, kernel in compile_variant(args.case, known[name], args.group):
             info = describe(kernel)
             sass = info.pop("sass")
             if args.sass:
                 args.sass.mkdir(parents=True, exist_ok=True)
                 (args.sass / f"{args.case}-{name}.sass").write_text(sass)
-            print(json.dumps(dict(case=args.case, variant=name, kernel=kernel_name, **info)))
+            row = dict(case=args.case, variant=name, group=args.group, kernel=kernel_name)
+            print(json.dumps({**row, **info}))
     return 0
 
 

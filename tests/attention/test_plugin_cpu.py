@@ -57,7 +57,7 @@ def test_every_replaced_name_has_a_signature_and_consumers() -> None:
 
 def _fake_device(monkeypatch: pytest.MonkeyPatch, major: int | None, wgmma: bool) -> None:
     """vLLM's platform as reporting compute capability ``major`` (None: no device), and
-    the Gluon wgmma kernel as available or not; the head limits' cache cleared."""
+    the Gluon wgmma kernel as available or not; the cached capability cleared."""
     import types
 
     from dsv4_attention import vllm_backend
@@ -71,7 +71,7 @@ def _fake_device(monkeypatch: pytest.MonkeyPatch, major: int | None, wgmma: bool
     monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
     monkeypatch.setattr(sparse_mla, "wgmma_available", lambda: wgmma)
     monkeypatch.delenv(vllm_backend.ENV_MAX_HEADS, raising=False)
-    vllm_backend._default_max_heads.cache_clear()
+    vllm_backend._device_major.cache_clear()
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def fake_device(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def
     from dsv4_attention import vllm_backend
 
     yield lambda major, wgmma=True: _fake_device(monkeypatch, major, wgmma)
-    vllm_backend._default_max_heads.cache_clear()
+    vllm_backend._device_major.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -115,6 +115,28 @@ def test_default_head_limit_follows_the_measurements(
     monkeypatch.setenv(vllm_backend.ENV_MAX_HEADS, "12")
     # the switch overrides the default for every layer type, short rows included
     assert [vllm_backend.max_heads(r) for r in (1, 4, 128)] == [12, 12, 12]
+    assert vllm_backend.short_rows_max_heads() == 0
+
+
+def test_hopper_limit_drops_when_the_wgmma_kernel_fails_to_build(
+    fake_device,  # type: ignore[no-untyped-def]
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Triton that cannot build the wgmma kernel is known only after the first build
+    fails (the launcher then runs the Triton kernel, slower than vLLM's FlashMLA
+    prefill): the next layer's decision must see that and keep vLLM's prefill."""
+    from dsv4_attention import vllm_backend
+    from dsv4_kernels import sparse_mla
+
+    real = sparse_mla.wgmma_available
+    fake_device(9, True)
+    monkeypatch.setattr(sparse_mla, "wgmma_available", real)  # the launcher's own record
+    monkeypatch.setattr(sparse_mla, "_gluon_importable", lambda: True)
+    monkeypatch.setattr(sparse_mla, "_WGMMA_BROKEN", [])
+    assert vllm_backend.max_heads(4) == 8 and vllm_backend.short_rows_max_heads() == 16
+    # what _launch_wgmma records when the build fails
+    sparse_mla._WGMMA_BROKEN.append("CompilationError: (a Triton whose Gluon API moved)")
+    assert vllm_backend.max_heads(4) == vllm_backend.max_heads(1) == 0
     assert vllm_backend.short_rows_max_heads() == 0
 
 

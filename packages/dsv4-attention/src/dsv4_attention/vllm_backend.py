@@ -62,22 +62,30 @@ def _step(swa_metadata: Any) -> dict[str, Any]:
 
 
 @functools.cache
-def _default_max_heads(compress_ratio: int = 4) -> int:
-    # vLLM's platform reads the capability through NVML: no CUDA context is
-    # created in the process that decides (vLLM forks workers after this).
+def _device_major() -> int | None:
+    """The GPU's compute-capability major as vLLM's platform reports it (None: no vLLM
+    or no device).  vLLM's platform reads it through NVML: no CUDA context is created
+    in the process that decides (vLLM forks workers after this)."""
     try:
         from vllm.platforms import current_platform
 
         capability = current_platform.get_device_capability()
     except Exception:  # no vLLM, or no device: not a FlashMLA GPU
-        capability = None
-    if capability is not None and capability.major == 9:
+        return None
+    return None if capability is None else int(capability.major)
+
+
+def _default_max_heads(compress_ratio: int = 4) -> int:
+    major = _device_major()
+    if major == 9:
         from dsv4_kernels.sparse_mla import wgmma_available
 
+        # asked at every call: a Triton that cannot build the wgmma kernel is known
+        # only after its first build fails, and from then on vLLM's prefill is faster
         if not wgmma_available():
             return 0
         return HOPPER_MAX_HEADS if compress_ratio == 4 else HOPPER_MAX_HEADS_SHARED_KEYS
-    if capability is not None and capability.major in FLASHMLA_MAJORS:
+    if major in FLASHMLA_MAJORS:
         return 0
     return 128
 

@@ -51,6 +51,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ._triton_sparse_mla import RUNTIME_ARGS
 
+# Every thread of the program waits here (``bar.sync``): ``thread_barrier`` up to
+# Triton 3.6, renamed ``barrier`` by 3.9 (which dropped the old name).
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
 
 @gluon.jit
 def _gather(
@@ -217,7 +221,7 @@ def _attend_source(
         )  # fmt: skip
         if ASYNC_PV:  # the previous tile's P V must be done before its tile is overwritten
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        gl.thread_barrier()  # every warp is done reading the previous tile
+        _cta_barrier()  # every warp is done reading the previous tile
         if REG_A:
             # each block to shared memory (for P V) and, from the same registers, into
             # S = K q^T as wgmma's register operand: S reads no shared memory
@@ -240,7 +244,7 @@ def _attend_source(
                 _block_to_smem(codes[b], sb, b, k_smem, QB)
             k_smem.slice(NOPE_, QB, dim=1).store(rope)
             fence_async_shared()
-            gl.thread_barrier()
+            _cta_barrier()
             s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)
             s = warpgroup_mma(k_smem, q_smem.permute((1, 0)), s, use_acc=False)
         live = gl.expand_dims(ok_s, 1)
@@ -256,7 +260,7 @@ def _attend_source(
         acc = acc * gl.expand_dims(alpha, 0)
         p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
         fence_async_shared()
-        gl.thread_barrier()
+        _cta_barrier()
         acc = warpgroup_mma(k_smem.permute((1, 0)), p_smem.permute((1, 0)), acc, is_async=ASYNC_PV)
         m_i = m_new
     if ASYNC_PV:
@@ -363,7 +367,7 @@ def _sparse_mla_wgmma_kernel(
         q = gl.reshape(gl.permute(q, (0, 1, 4, 5, 6, 2, 3, 7)), [HP, D])
     q_smem.index(0).store(q)
     fence_async_shared()  # q is read by wgmma (the async proxy) from the first tile on
-    gl.thread_barrier()
+    _cta_barrier()
 
     m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))
