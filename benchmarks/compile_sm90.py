@@ -18,6 +18,7 @@ suite runs it (``tests/kernels/test_codegen_sparse_mla.py``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import subprocess
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 
+@functools.cache
 def _compiler() -> tuple[Any, Any]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -91,9 +93,10 @@ def compile_variant(
     shape = next(s for s in MATRIX if s.name.startswith(case))
     compiled: list[tuple[str, Any]] = []
     saved_tiles = sm.TILES
-    saved = (sm._wgmma_ok, sm.use_triton, g._sparse_mla_wgmma_kernel, k._sparse_mla_kernel)
+    saved = (sm._hopper_runs_wgmma, sm.use_triton, g._sparse_mla_wgmma_kernel, k._sparse_mla_kernel)
     try:
-        sm._wgmma_ok = lambda *a: a[1].get("KERNEL", 0) == 2 and a[2] and a[3]  # type: ignore
+        # the CPU tensors stand for an H100/H200's: the call's own checks still choose
+        sm._hopper_runs_wgmma = lambda device: True  # type: ignore[assignment]
         sm.use_triton = lambda device: True  # type: ignore[assignment]
         g._sparse_mla_wgmma_kernel = _Offline(saved[2], compiled)  # type: ignore[assignment]
         k._sparse_mla_kernel = _Offline(saved[3], compiled)  # type: ignore[assignment]
@@ -109,7 +112,7 @@ def compile_variant(
             inp.run_paged(out, lse)
     finally:
         sm.TILES = saved_tiles
-        sm._wgmma_ok, sm.use_triton = saved[0], saved[1]  # type: ignore[assignment]
+        sm._hopper_runs_wgmma, sm.use_triton = saved[0], saved[1]  # type: ignore[assignment]
         g._sparse_mla_wgmma_kernel, k._sparse_mla_kernel = saved[2], saved[3]  # type: ignore
     return compiled
 

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_module(module: str, *args: str) -> str:
-    """``python -m module args`` from the repository root; its stdout (it must exit 0)."""
+    """``python -m module args`` from the repository root; its stdout (it must exit 0,
+    and a RuntimeWarning, such as the sparse MLA launcher's fallback, is an error)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     res = subprocess.run(

@@ -124,9 +124,15 @@ def _wgmma_ok(q: torch.Tensor, tiles: dict[str, int], paged: bool, aligned: bool
     a CUDA device of compute capability 9.x and a Triton with Gluon's Hopper API."""
     if tiles.get("KERNEL", 0) != 2 or not paged or not aligned or q.shape[1] > 16:
         return False
-    if q.device.type != "cuda" or interpreter_enabled():
+    return _hopper_runs_wgmma(q.device)
+
+
+def _hopper_runs_wgmma(device: torch.device) -> bool:
+    """Whether ``device`` can run the wgmma kernel: CUDA of compute capability 9.x, no
+    interpreter, and a Triton that has built it (or not yet tried)."""
+    if device.type != "cuda" or interpreter_enabled():
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    if torch.cuda.get_device_capability(device)[0] != 9:
         return False
     return wgmma_available()
 
