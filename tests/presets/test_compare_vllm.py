@@ -31,7 +31,8 @@ from _tiny_model import write_tiny_llama
 from dsv4_presets.compare.report import per_request_tpot_ms
 from dsv4_presets.vllm_launcher import providing_distribution
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# Starts real vLLM servers: needs a runnable CPU build (vllm_serve: the 0.32 session only).
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_serve, pytest.mark.slow]
 
 NUM_PROMPTS = 8
 

@@ -298,7 +298,7 @@ def test_min_vllm_is_checked_against_the_installed_version():
     assert version_tuple("v0.32") == (0, 32, 0) and version_tuple("dev") is None
 
 
-def test_validate_reports_an_old_vllm(monkeypatch):
+def _fake_vllm(monkeypatch, version):
     import importlib
 
     v = importlib.import_module("dsv4_presets.validate")
@@ -307,7 +307,7 @@ def test_validate_reports_an_old_vllm(monkeypatch):
         (),
         {
             "check_serve": staticmethod(lambda config: ([], [])),
-            "vllm_version": staticmethod(lambda: "0.20.1"),
+            "vllm_version": staticmethod(lambda: version),
         },
     )
     monkeypatch.setattr(v, "vllm_available", lambda: True)
@@ -315,6 +315,25 @@ def test_validate_reports_an_old_vllm(monkeypatch):
     import dsv4_presets
 
     monkeypatch.setattr(dsv4_presets, "vllm_check", fake, raising=False)
+    return v
+
+
+@pytest.mark.parametrize("version", ["0.20.1", "0.31.9", "0.34.0", "1.0.0"])
+def test_validate_refuses_a_vllm_release_it_does_not_know(monkeypatch, version):
+    from dsv4_presets.vllm_releases import supported
+
+    v = _fake_vllm(monkeypatch, version)
     report = v.check(serve("h200-tp8-ep"), with_vllm=True)
-    assert [f.rule for f in report.errors] == ["vllm-version"]
-    assert report.vllm_version == "0.20.1"
+    assert [f.rule for f in report.errors] == ["vllm-release"]
+    assert f"vLLM {version} is not a release" in report.errors[0].message
+    assert f"(supported: {supported()})" in report.errors[0].message
+    assert supported() == "0.32, 0.33"
+    assert report.vllm_version is None  # its checks did not run
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.33.2rc1+cu130"])
+def test_validate_on_a_supported_release_names_it(monkeypatch, version):
+    v = _fake_vllm(monkeypatch, version)
+    report = v.check(serve("h200-tp8-ep"), with_vllm=True)
+    assert report.errors == []
+    assert report.vllm_version == version and report.vllm_release == version[:4]

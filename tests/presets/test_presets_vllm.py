@@ -1,12 +1,17 @@
-"""Presets against vLLM's real parser, cross-flag checks and registries (the `vllm` session).
+"""Presets against vLLM's real parser, cross-flag checks and registries (the `vllm` sessions).
 
 vLLM is imported once per test session (module-scoped fixtures); no server is
-started and nothing is downloaded.
+started and nothing is downloaded.  Each supported release runs these against
+its own code (the nox session per release); where vLLM keeps a symbol comes
+from the release's entry in ``dsv4_presets.vllm_releases.RELEASES``, and the
+option tables compared are the installed release's.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -15,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsv4_presets import check, resolve_bench, resolve_serve
+from dsv4_presets import check, resolve_bench, resolve_serve, vllm_releases
 from dsv4_presets.presets import bench_preset_names, serve_preset_names
 from dsv4_presets.schema import check_value, render_option, shipped_table
 
@@ -38,6 +43,36 @@ def serve_parser() -> argparse.ArgumentParser:
     return vllm_check.serve_parser()
 
 
+@pytest.fixture(scope="module")
+def release() -> vllm_releases.ReleaseFacts:
+    return vllm_check.facts()
+
+
+def test_the_installed_vllm_is_a_supported_release_and_its_facts_hold(release):
+    import vllm
+
+    assert vllm_releases.installed_version() == vllm.__version__
+    assert vllm_releases.release_of(vllm.__version__) == release.release
+    # Every symbol of the installed release's entry is where the table says.
+    for name in release.symbols:
+        assert release.load(name) is not None, name
+    # What moved is not (also) where another release keeps it: read, not imported.
+    moved = 0
+    for other in vllm_releases.RELEASES.values():
+        if other is release:
+            continue
+        for name, target in other.symbols.items():
+            if target == release.symbols[name]:
+                continue
+            moved += 1
+            module, attribute = other.where(name)
+            spec = importlib.util.find_spec(module)
+            if spec is not None and spec.origin:
+                source = Path(spec.origin).read_text(encoding="utf-8")
+                assert f"def {attribute}(" not in source, (name, module)
+    assert moved >= 3  # make_arg_parser, validate_parsed_serve_args, log_version_and_model
+
+
 def all_nodes(name: str, *sets: str):
     """Every node of a preset that runs vLLM (not a Ray worker or a router)."""
     config = resolve_serve(name, sets=[ADDR, *sets])
@@ -50,6 +85,7 @@ def test_every_shipped_serve_preset_passes_vllm(name):
     import vllm
 
     assert report.vllm_version == vllm.__version__
+    assert report.vllm_release == vllm_check.facts().name
     assert report.findings == []
     # What could not run without the checkpoint is said, not hidden.
     assert any("config.json" in note for note in report.notes)
@@ -107,11 +143,6 @@ def test_config_yaml_reads_back_to_the_same_arguments(name, root, tmp_path):
 # Deliberately broken presets: (overrides, rule, the text vLLM shows the user)
 BROKEN = [
     (
-        ["kv-cache-dtype=fp9"],
-        "vllm-parser",
-        "vllm serve: error: argument --kv-cache-dtype: invalid choice: 'fp9'",
-    ),
-    (
         ["blok-size=256"],
         "vllm-parser",
         "vllm: error: unrecognized arguments: --blok-size 256",
@@ -141,6 +172,24 @@ BROKEN = [
 ]
 
 
+# Where each release rejects an unknown KV-cache dtype: 0.32's parser has the
+# choices; 0.33's takes any string and CacheConfig's validator refuses it.
+BAD_KV_DTYPE = {
+    "0.32": ("vllm-parser", "vllm serve: error: argument --kv-cache-dtype: invalid choice: 'fp9'"),
+    "0.33": ("vllm-cache-config", "Invalid kv_cache_dtype: 'fp9'"),
+}
+
+
+def test_bad_kv_cache_dtype_is_rejected_where_the_release_rejects_it(release):
+    assert set(BAD_KV_DTYPE) == {facts.name for facts in vllm_releases.RELEASES.values()}
+    rule, text = BAD_KV_DTYPE[release.name]
+    report = check(resolve_serve("h200-tp8-ep", sets=["kv-cache-dtype=fp9"]), with_vllm=True)
+    hits = [f for f in report.findings if f.rule == rule]
+    assert any(text in f.message for f in hits), report.findings
+    # Our own rule says what DSV4 needs whatever vLLM does.
+    assert any(f.rule == "kv-cache-fp8" for f in report.findings)
+
+
 @pytest.mark.parametrize(("sets", "rule", "text"), BROKEN)
 def test_broken_presets_are_rejected_with_vllms_message(sets, rule, text):
     report = check(resolve_serve("h200-tp8-ep", sets=sets), with_vllm=True)
@@ -153,7 +202,7 @@ def test_broken_presets_are_rejected_with_vllms_message(sets, rule, text):
 def test_parser_error_is_the_line_vllm_prints(capsys):
     # The same message the user sees when running vllm serve by hand.
     _, message = vllm_check.parse(
-        vllm_check._serve_root(), ["serve", "m", "--kv-cache-dtype", "fp9"]
+        vllm_check._serve_root(), ["serve", "m", "--tensor-parallel-size", "eight"]
     )
     assert message is not None and message.startswith("vllm serve: error: argument")
     assert capsys.readouterr().err == ""  # captured, not leaked
@@ -172,14 +221,19 @@ def test_multi_node_worker_is_checked_too():
     assert any(f.rule == "vllm-parallel-config" for f in bad.findings)
 
 
-def test_shipped_option_tables_match_the_installed_vllm():
+def test_shipped_option_tables_match_the_installed_vllm(release):
+    import vllm
+
     for command in ("serve", "bench"):
         live = vllm_check.live_table(command).to_data()
-        shipped = shipped_table(command).to_data()
-        assert live == shipped, (
-            f"the shipped {command} option table is stale: regenerate it with "
+        shipped = shipped_table(command, release.name)
+        assert shipped.vllm_version == vllm.__version__
+        assert live == shipped.to_data(), (
+            f"the shipped {release.name} {command} option table is stale: regenerate it with "
             "`python -m dsv4_presets.vllm_check --write`"
         )
+        # With vLLM installed, the default table is the installed release's.
+        assert shipped_table(command) is shipped
 
 
 # --------------------------------------------------------------------------- #
@@ -227,8 +281,10 @@ def test_rendered_options_parse_back_to_their_values(values):
     ns, message = vllm_check.parse(vllm_check._serve_root(), ["serve", *argv])
     assert message is None, (argv, message)
     for name, value in values.items():
-        dest = serve_parser._option_string_actions[f"--{name}"].dest
-        got = getattr(ns, dest)
+        action = serve_parser._option_string_actions[f"--{name}"]
+        got = getattr(ns, action.dest)
+        if f"--{name}" in getattr(action, "negative_option_strings", ()):
+            value = not value  # --disable-x: true stores enable_x = False (vLLM 0.33)
         if isinstance(value, float):
             assert got == pytest.approx(value, rel=1e-12), name
         elif SERVE.options[name].choices:
@@ -257,19 +313,29 @@ def test_offline_value_check_agrees_with_vllms_parser(name, text):
     value = yaml.safe_load(text)  # what a user writes in YAML, typed by YAML
     if value is None or isinstance(value, bool):
         return
+    if isinstance(value, list | dict) and spec.type == "str" and not spec.choices:
+        # vLLM's parser takes any text for a free string option (0.33's
+        # kv-cache-dtype); we refuse a YAML list for a single value on purpose.
+        assert check_value(spec, value) is not None
+        return
     ours_ok = check_value(spec, value) is None
     argv = ["serve", "model", *render_option(name, value, spec)]
     _, message = vllm_check.parse(vllm_check._serve_root(), argv)
     assert ours_ok == (message is None), (name, value, message)
 
 
-def test_snapshot_regeneration_writes_the_same_file(tmp_path: Path):
-    import yaml
+def test_snapshot_regeneration_writes_the_same_file(release):
+    from importlib import resources
 
-    data = vllm_check.live_table("serve").to_data()
-    text = yaml.safe_dump(data, sort_keys=False, width=100)
-    assert yaml.safe_load(text) == shipped_table("serve").to_data()
-    assert json.dumps(data)  # plain data, no Python objects
+    from dsv4_presets.schema import SNAPSHOT_FILES
+
+    folder = resources.files("dsv4_presets").joinpath("data", "vllm", release.table_dir)
+    for command, filename in SNAPSHOT_FILES.items():
+        text = vllm_check.snapshot_text(command)
+        assert text == folder.joinpath(filename).read_text(encoding="utf-8"), (
+            f"{release.table_dir}/{filename} differs from what --write would write"
+        )
+    assert json.dumps(vllm_check.live_table("serve").to_data())  # plain data
 
 
 def test_vllm_command_runs_vllms_cli_here():
@@ -309,12 +375,12 @@ def test_vllm_refuses_the_old_fp4_indexer_spelling_and_reads_the_new_one(root):
     assert ns.moe_backend == "deep_gemm_mega_moe"
 
 
-def test_dspark_and_dp_graph_settings_parse_as_vllm_reads_them(root):
+def test_dspark_and_dp_graph_settings_parse_as_vllm_reads_them(root, release):
     ns = root.parse_args(["serve", *resolve_serve("h200-tp8-ep-dspark").to_argv()])
     spec = ns.speculative_config
     assert spec["method"] == "dspark" and spec["num_speculative_tokens"] == 7
     assert spec["draft_sample_method"] == "probabilistic"
-    from vllm.config.speculative import SpeculativeConfig
+    SpeculativeConfig = release.load("SpeculativeConfig")
 
     assert "dspark" in str(SpeculativeConfig.__dataclass_fields__["method"].type)
     ns = root.parse_args(["serve", *resolve_serve("h200-dp8-ep").to_argv()])
@@ -335,7 +401,7 @@ def test_min_vllm_against_the_installed_vllm():
 
 
 @pytest.mark.parametrize("logo", [False, True])
-def test_server_log_reads_vllms_own_version_line(logo, monkeypatch):
+def test_server_log_reads_vllms_own_version_line(logo, monkeypatch, release):
     """The compare runner's parser on the exact text vLLM's start-up logging writes.
 
     vLLM's logging is configured as ``vllm serve`` configures it (its "vllm"
@@ -346,21 +412,45 @@ def test_server_log_reads_vllms_own_version_line(logo, monkeypatch):
     import logging
 
     import vllm
-    from vllm.config.logging import LoggingConfig
-    from vllm.entrypoints.serve.utils import api_utils
-    from vllm.logger import configure_logging, init_logger
 
     from dsv4_presets.compare.server_log import parse_server_log
 
-    configure_logging(LoggingConfig())
-    monkeypatch.setattr(api_utils.envs, "VLLM_DISABLE_LOG_LOGO", not logo, raising=False)
+    release.load("configure_logging")(release.load("LoggingConfig")())
+    init_logger = release.load("init_logger")
+    log_version_and_model = release.load("log_version_and_model")
+    envs = release.module("log_version_and_model").envs
+    monkeypatch.setattr(envs, "VLLM_DISABLE_LOG_LOGO", not logo, raising=False)
     (handler,) = logging.getLogger("vllm").handlers
     stream = io.StringIO()
     old = handler.setStream(stream)
     try:
-        api_utils.log_version_and_model(init_logger("vllm.dsv4_test"), vllm.__version__, "tiny")
+        log_version_and_model(init_logger("vllm.dsv4_test"), vllm.__version__, "tiny")
     finally:
         handler.setStream(old)
     text = stream.getvalue()
     assert ("█" in text) == logo, text
     assert parse_server_log(text)["vllm_version"] == vllm.__version__
+
+
+def test_dsv4_validate_says_which_release_it_checked_against(capsys, release):
+    import vllm
+
+    from dsv4_presets.cli import main
+
+    assert main(["validate", "h200-tp8-ep", "--vllm", "yes"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("h200-tp8-ep: OK - 0 error(s)"), last
+    assert f"vLLM {vllm.__version__}'s parser" in last
+    assert f"(release {release.name}; supported: {vllm_releases.supported()})" in last
+
+
+def test_an_unsupported_installed_release_is_refused_naming_the_supported_ones(monkeypatch):
+    monkeypatch.setattr(vllm_check, "vllm_version", lambda: "0.34.0")
+    report = check(resolve_serve("h200-tp8-ep"), with_vllm=True)
+    assert [f.rule for f in report.errors] == ["vllm-release"]
+    message = report.errors[0].message
+    assert "vLLM 0.34.0 is not a release" in message
+    assert f"supported: {vllm_releases.supported()}" in message
+    assert report.vllm_version is None  # none of its checks ran
+    with pytest.raises(vllm_releases.UnsupportedVllmRelease, match=r"supported: 0\.32, 0\.33"):
+        vllm_check.facts()

@@ -28,6 +28,7 @@ from dsv4_presets.presets import (
 from dsv4_presets.schema import render_option, shipped_table
 from dsv4_presets.validate import check
 from dsv4_presets.vllm_exec import vllm_available, vllm_command
+from dsv4_presets.vllm_releases import supported
 
 FORMATS = ("argv", "config", "env", "docker", "k8s")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -220,11 +221,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
     report = check(config, with_vllm=with_vllm)
     _print_report(args.preset, report, verbose=True)
     errors, warnings = len(report.errors), len(report.warnings)
-    how = (
-        f"with vLLM {report.vllm_version}'s parser and registries"
-        if report.vllm_version
-        else "with the DSV4 rules only (vLLM not used)"
-    )
+    if report.vllm_version:
+        how = (
+            f"with vLLM {report.vllm_version}'s parser and registries "
+            f"(release {report.vllm_release}; supported: {supported()})"
+        )
+    else:
+        table = shipped_table("bench" if isinstance(config, BenchConfig) else "serve")
+        how = (
+            "with the DSV4 rules only (vLLM not used), option names against the shipped "
+            f"vLLM {table.vllm_version} option table (release {report.vllm_release})"
+        )
     verdict = "OK" if report.ok and not (args.strict and warnings) else "FAILED"
     print(f"{config.name}: {verdict} - {errors} error(s), {warnings} warning(s), checked {how}")
     return 0 if verdict == "OK" else 1

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from dsv4_presets.schema import config_value, render_option, shipped_table
+from dsv4_presets.schema import OptionSpec, config_value, render_option, shipped_table
 
 # Rendering order: options are grouped by topic so that renderings of different
 # presets line up; options not listed follow in the order the layers set them.
@@ -172,11 +172,16 @@ def _order(keys: Iterable[str], order: Sequence[str]) -> list[str]:
     return known + [k for k in keys if k not in rank]
 
 
+def _bool_spec(name: str) -> OptionSpec | None:
+    for command in ("serve", "bench"):
+        spec = shipped_table(command).get(name)
+        if spec is not None and spec.kind == "bool":
+            return spec
+    return None
+
+
 def _is_bool_option(name: str) -> bool:
-    return any(
-        (spec := shipped_table(command).get(name)) is not None and spec.kind == "bool"
-        for command in ("serve", "bench")
-    )
+    return _bool_spec(name) is not None
 
 
 def canonical_bool(name: str, value: Any) -> tuple[str, Any]:
@@ -193,10 +198,13 @@ def _config_bool(key: str, value: Any) -> tuple[str, Any]:
     the *top-level* parser knows ``--no-key``; under ``vllm serve`` it does not
     (the option belongs to the ``serve`` subparser), so ``false`` is silently
     dropped and vLLM's default (often ``true``) applies.  ``no-key: true`` is
-    read as the flag ``--no-key`` and always works.
+    read as the flag ``--no-key`` and always works.  Where the release's
+    table names another false form (vLLM 0.33: ``disable-x: false`` is
+    ``--enable-x``), that one is written instead.
     """
-    if value is False and _is_bool_option(key):
-        return f"no-{key}", True
+    spec = _bool_spec(key) if value is False else None
+    if spec is not None:
+        return spec.false_flag, True
     return key, value
 
 

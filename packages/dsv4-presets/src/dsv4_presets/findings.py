@@ -37,6 +37,10 @@ class Report:
     """Checks that were skipped, and why (e.g. they need the model's config.json)."""
     vllm_version: str | None = None
     """The vLLM whose parser checked the preset, ``None`` when vLLM was not used."""
+    vllm_release: str | None = None
+    """The release (``"0.33"``) whose facts and checks were used: that of
+    ``vllm_version`` when vLLM was used, else the release of the shipped
+    option table the offline checks read."""
 
     @property
     def errors(self) -> list[Finding]:

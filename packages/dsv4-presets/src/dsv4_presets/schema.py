@@ -3,10 +3,14 @@
 ``vllm serve`` and ``vllm bench serve`` each accept a few hundred options.  To
 reject unknown keys and badly typed values on a machine without vLLM (a laptop
 writing a cluster config, CI), we ship a snapshot of both parsers' option
-tables, generated from the real parsers by :func:`snapshot_from_parser`
-(``python -m dsv4_presets.vllm_check --write`` in an environment with vLLM).  A
-test in the vLLM session asserts that the shipped snapshot still equals what
-the installed vLLM builds, so drift is caught rather than trusted.
+tables for every supported vLLM release (``data/vllm/0.32/``,
+``data/vllm/0.33/``: whole tables, not deltas, so each is exactly what that
+release's parser builds), generated from the real parsers by
+:func:`snapshot_from_parser` (``python -m dsv4_presets.vllm_check --write`` in an
+environment with that release installed).  A test in each release's vLLM
+session asserts that the shipped snapshot of the installed release still
+equals what its parser builds, so drift is caught rather than trusted;
+:func:`table_diff` lists what changed between two releases.
 
 Each option has a *kind*:
 
@@ -43,7 +47,8 @@ import yaml
 KINDS = ("bool", "flag", "value", "list", "append", "optional")
 TYPES = ("int", "human-int", "float", "str", "json", "json-or-str")
 
-# Snapshot files inside the package (dsv4_presets/data/vllm/).
+# Snapshot files inside the package, one folder per supported vLLM release
+# (dsv4_presets/data/vllm/<major>.<minor>/).
 SNAPSHOT_FILES = {"serve": "serve-options.yaml", "bench": "bench-serve-options.yaml"}
 
 
@@ -59,6 +64,16 @@ class OptionSpec:
     """One of :data:`TYPES` (ignored for ``bool`` and ``flag``)."""
     choices: tuple[str, ...] = ()
     """Accepted values (as strings), empty when any value of ``type`` is accepted."""
+    negated_by: str = ""
+    """For a ``bool`` option whose false form is not ``--no-<name>``: the option
+    (without ``--``) that sets it false.  vLLM 0.33 pairs ``--enable-x`` with
+    ``--disable-x`` and accepts ``--no-`` only before the spelling it declared
+    first, so ``disable-x: false`` is ``--enable-x`` there."""
+
+    @property
+    def false_flag(self) -> str:
+        """The option (without ``--``) that sets this ``bool`` option false."""
+        return self.negated_by or f"no-{self.name}"
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,8 @@ class OptionTable:
                 entry["type"] = spec.type
             if spec.choices:
                 entry["choices"] = list(spec.choices)
+            if spec.negated_by:
+                entry["negated_by"] = spec.negated_by
             options[name] = entry
         data: dict[str, Any] = {
             "command": self.command,
@@ -109,6 +126,7 @@ class OptionTable:
                 kind=str(entry["kind"]),
                 type=str(entry.get("type", "str")),
                 choices=tuple(str(c) for c in entry.get("choices", ())),
+                negated_by=str(entry.get("negated_by", "")),
             )
             for name, entry in data["options"].items()
         }
@@ -120,17 +138,78 @@ class OptionTable:
         )
 
 
-@cache
-def shipped_table(command: str) -> OptionTable:
-    """The option table shipped with this package for ``command`` (``serve`` or ``bench``)."""
+def shipped_table(command: str, release: str | tuple[int, int] | None = None) -> OptionTable:
+    """The option table shipped with this package for ``command`` (``serve`` or ``bench``).
+
+    One table per supported vLLM release (``data/vllm/<release>/``); ``release``
+    is ``"0.33"``-style text or ``(0, 33)``, and ``None`` means the installed
+    vLLM's release when it is a supported one, else the newest supported
+    release (:func:`dsv4_presets.vllm_releases.default_facts`).
+    """
+    from dsv4_presets.vllm_releases import resolve
+
     if command not in SNAPSHOT_FILES:
         raise ValueError(f"command must be one of {sorted(SNAPSHOT_FILES)}, got {command!r}")
+    return _table(command, resolve(release).table_dir)
+
+
+@cache
+def _table(command: str, table_dir: str) -> OptionTable:
     text = (
         resources.files("dsv4_presets")
-        .joinpath("data", "vllm", SNAPSHOT_FILES[command])
+        .joinpath("data", "vllm", table_dir, SNAPSHOT_FILES[command])
         .read_text(encoding="utf-8")
     )
     return OptionTable.from_data(yaml.safe_load(text))
+
+
+def table_diff(old: OptionTable, new: OptionTable) -> dict[str, list[str]]:
+    """What changed from ``old`` to ``new``: options added, respelled, removed and changed.
+
+    ``spellings`` are added ``--disable-x`` / ``--enable-x`` names of a boolean
+    option that ``old`` already had under the other prefix (vLLM 0.33's
+    ``EnableDisableAction`` pairs them; the ``--no-`` forms stay accepted), so
+    they are not new settings; ``added`` is everything else that is new.
+    ``changed`` lists options present in both whose kind, value type or
+    choices differ, as ``"name: what changed"``.  A rename shows up as one
+    removal plus one addition (argparse has no notion of it).
+    """
+    new_names = sorted(set(new.options) - set(old.options))
+    inverse = {"enable-": "disable-", "disable-": "enable-"}
+    spellings = []
+    for name in new_names:
+        for prefix, other in inverse.items():
+            partner = other + name.removeprefix(prefix)
+            if (
+                name.startswith(prefix)
+                and partner in old.options
+                and partner in new.options
+                and new.options[name].kind == "bool"
+                and old.options[partner].kind == "bool"
+            ):
+                spellings.append(name)
+    added = [name for name in new_names if name not in spellings]
+    removed = sorted(set(old.options) - set(new.options))
+    changed = []
+    for name in sorted(set(old.options) & set(new.options)):
+        a, b = old.options[name], new.options[name]
+        parts = []
+        if a.kind != b.kind:
+            parts.append(f"kind {a.kind} -> {b.kind}")
+        if a.kind not in ("bool", "flag") and a.type != b.type:
+            parts.append(f"type {a.type} -> {b.type}")
+        if a.choices != b.choices:
+            gone = [c for c in a.choices if c not in b.choices]
+            new_choices = [c for c in b.choices if c not in a.choices]
+            if gone:
+                parts.append("choices removed: " + ", ".join(gone))
+            if new_choices:
+                parts.append("choices added: " + ", ".join(new_choices))
+            if not gone and not new_choices:
+                parts.append("choices reordered")
+        if parts:
+            changed.append(f"{name}: " + "; ".join(parts))
+    return {"added": added, "spellings": spellings, "removed": removed, "changed": changed}
 
 
 # --------------------------------------------------------------------------- #
@@ -188,6 +267,21 @@ def _kind(action: argparse.Action) -> str:
     return "value"
 
 
+def _false_spelling(parser: argparse.ArgumentParser, action: argparse.Action, name: str) -> str:
+    """The option that sets boolean ``--name`` false, when it is not ``--no-name`` ("" then)."""
+    registered = parser._option_string_actions
+    if registered.get(f"--no-{name}") is action:
+        return ""
+    for prefix, inverse in (("enable-", "disable-"), ("disable-", "enable-")):
+        partner = inverse + name.removeprefix(prefix)
+        if name.startswith(prefix) and registered.get(f"--{partner}") is action:
+            return partner
+    raise ValueError(
+        f"option --{name}: vLLM's parser registers neither --no-{name} nor an "
+        "--enable-/--disable- partner, so it cannot be set false from a preset"
+    )
+
+
 def snapshot_from_parser(
     parser: argparse.ArgumentParser,
     *,
@@ -216,7 +310,10 @@ def snapshot_from_parser(
         for name in names:
             if name in skip:
                 continue
-            options[name] = OptionSpec(name=name, kind=kind, type=type_name, choices=choices)
+            negated_by = _false_spelling(parser, action, name) if kind == "bool" else ""
+            options[name] = OptionSpec(
+                name=name, kind=kind, type=type_name, choices=choices, negated_by=negated_by
+            )
     return OptionTable(
         command=command, vllm_version=vllm_version, options=options, env_vars=env_vars
     )
@@ -263,6 +360,8 @@ def _check_scalar(spec: OptionSpec, value: object) -> str | None:
     else:  # str
         if isinstance(value, Mapping | list):
             return f"expected a single value, got {type(value).__name__} {value!r}"
+        if isinstance(value, str) and value.startswith("--"):
+            return f"{value!r} starts with '--': vLLM's parser reads it as an option, not a value"
         if isinstance(value, bool):
             return f"expected a string, got the boolean {value!r}"
     if spec.choices and _scalar_text(value) not in spec.choices:
@@ -363,7 +462,9 @@ def render_option(name: str, value: object, spec: OptionSpec | None) -> list[str
     if isinstance(value, bool) and kind in (None, "bool", "flag", "optional"):
         if value:
             return [flag]
-        return [f"--no-{name}"] if kind in (None, "bool") else []
+        if kind == "bool" and spec is not None:
+            return [f"--{spec.false_flag}"]
+        return [f"--no-{name}"] if kind is None else []
     if isinstance(value, list) and kind in (None, "list"):
         return [flag, *(_scalar_text(v) for v in value)] if value else []
     if isinstance(value, list) and kind == "append":
@@ -371,7 +472,11 @@ def render_option(name: str, value: object, spec: OptionSpec | None) -> list[str
         for item in value:
             words += [flag, _scalar_text(item)]
         return words
-    return [flag, _scalar_text(value)]
+    text = _scalar_text(value)
+    if text.startswith("-") and not text.startswith("--") and not _float_ok(text):
+        # argparse would read "-K" as an option of its own, not as the value.
+        return [f"{flag}={text}"]
+    return [flag, text]
 
 
 def config_value(value: object) -> object:

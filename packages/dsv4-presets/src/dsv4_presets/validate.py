@@ -9,6 +9,7 @@ from dsv4_presets.configs import BenchConfig, ServeConfig
 from dsv4_presets.findings import Finding, Report
 from dsv4_presets.schema import shipped_table
 from dsv4_presets.vllm_exec import vllm_available
+from dsv4_presets.vllm_releases import UnsupportedVllmRelease, facts_for
 
 
 def version_tuple(text: str) -> tuple[int, int, int] | None:
@@ -42,7 +43,10 @@ def check(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -
 
     ``with_vllm``: ``True`` runs vLLM's parser and checks (and fails with
     ``RuntimeError`` if vLLM cannot be imported), ``False`` runs only our
-    rules, ``None`` uses vLLM when it is importable.
+    rules, ``None`` uses vLLM when it is importable.  A vLLM that is not a
+    supported release (:mod:`dsv4_presets.vllm_releases`) gives one
+    ``vllm-release`` error naming the supported releases, and none of its
+    checks run.
 
     A multi-node serve preset is checked once per node: each node's findings
     are prefixed with the node's name.
@@ -54,6 +58,8 @@ def check(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -
             "(pip install 'dsv4-presets[vllm]') or pass with_vllm=False"
         )
     report = Report()
+    if use_vllm and not _release_supported(report):
+        use_vllm = False
     if isinstance(config, BenchConfig):
         report.findings += rules.check_bench(config)
         if use_vllm:
@@ -64,6 +70,7 @@ def check(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -
             report.notes += notes
             report.vllm_version = vllm_check.vllm_version()
         else:
+            report.vllm_release = facts_for(shipped_table("bench").vllm_version).name
             report.notes.append("vLLM not used: its bench parser was not run")
         return report
     if not isinstance(config, ServeConfig):
@@ -100,12 +107,26 @@ def check(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -
                 report.findings.append(Finding(finding.level, finding.rule, text))
     if not use_vllm:
         table = shipped_table("serve")
+        report.vllm_release = facts_for(table.vllm_version).name
         report.notes.append(
             "vLLM not used: option names and types were checked against the shipped "
             f"vLLM {table.vllm_version} option table only; install vLLM for its parser, "
             "registries and the minimum-version check"
         )
     return report
+
+
+def _release_supported(report: Report) -> bool:
+    """Record the installed vLLM's release on ``report``; False (and an error) if unsupported."""
+    from dsv4_presets import vllm_check
+
+    version = vllm_check.vllm_version()
+    try:
+        report.vllm_release = facts_for(version).name
+    except (UnsupportedVllmRelease, ValueError) as exc:
+        report.findings.append(Finding("error", "vllm-release", str(exc)))
+        return False
+    return True
 
 
 def validate(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -> list[Finding]:

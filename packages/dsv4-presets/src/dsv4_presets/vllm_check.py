@@ -15,6 +15,11 @@ What runs, in order, for a serve preset:
 
 What cannot run without the checkpoint's ``config.json`` (the model id does
 not resolve offline) is listed in :data:`SKIPPED`.
+
+Every vLLM symbol is found through the installed release's entry in
+:data:`dsv4_presets.vllm_releases.RELEASES` (:func:`facts`); a release not in
+that table raises :class:`~dsv4_presets.vllm_releases.UnsupportedVllmRelease`,
+naming the supported ones.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import yaml
 from dsv4_presets.findings import Finding
 from dsv4_presets.presets import BenchConfig, ServeConfig
 from dsv4_presets.schema import SNAPSHOT_FILES, OptionTable, snapshot_from_parser
+from dsv4_presets.vllm_releases import ReleaseFacts, facts_for
 
 SKIPPED = (
     "ModelConfig and everything derived from the checkpoint's config.json (max-model-len, "
@@ -53,11 +59,22 @@ def vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
+def facts() -> ReleaseFacts:
+    """The installed vLLM's release facts (raises ``UnsupportedVllmRelease`` for others)."""
+    return facts_for(vllm_version())
+
+
+def release_line() -> str:
+    """What the checks ran against, for reports: ``vLLM 0.33.0 (release 0.33)``."""
+    return f"vLLM {vllm_version()} (release {facts().name})"
+
+
 @lru_cache(maxsize=1)
 def _serve_root() -> argparse.ArgumentParser:
     """A ``vllm`` parser with the real ``serve`` subcommand (built once per process)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    release = facts()
+    make_arg_parser = release.load("make_arg_parser")
+    FlexibleArgumentParser = release.load("FlexibleArgumentParser")
 
     root = FlexibleArgumentParser(prog="vllm")
     sub = root.add_subparsers(dest="subparser")
@@ -79,8 +96,9 @@ def serve_parser() -> argparse.ArgumentParser:
 @lru_cache(maxsize=1)
 def bench_parser() -> argparse.ArgumentParser:
     """vLLM's ``bench serve`` parser."""
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    release = facts()
+    add_cli_args = release.load("bench_add_cli_args")
+    FlexibleArgumentParser = release.load("FlexibleArgumentParser")
 
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
@@ -153,7 +171,7 @@ def check_serve(config: ServeConfig) -> tuple[list[Finding], list[str]]:
         findings.append(Finding("error", "vllm-parser", str(message)))
         return findings, notes
 
-    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
+    validate_parsed_serve_args = facts().load("validate_parsed_serve_args")
 
     try:
         validate_parsed_serve_args(ns)
@@ -162,7 +180,7 @@ def check_serve(config: ServeConfig) -> tuple[list[Finding], list[str]]:
 
     findings += _check_registries(ns, config, notes)
 
-    from vllm.engine.arg_utils import AsyncEngineArgs
+    AsyncEngineArgs = facts().load("AsyncEngineArgs")
 
     try:
         with _no_offline_model_resolution():
@@ -199,9 +217,10 @@ def _no_offline_model_resolution() -> Iterator[None]:
 
 def _check_registries(ns: Any, config: ServeConfig, notes: list[str]) -> list[Finding]:
     findings: list[Finding] = []
-    from vllm.reasoning import ReasoningParserManager
-    from vllm.tokenizers.registry import TokenizerRegistry
-    from vllm.tool_parsers import ToolParserManager
+    release = facts()
+    ReasoningParserManager = release.load("ReasoningParserManager")
+    TokenizerRegistry = release.load("TokenizerRegistry")
+    ToolParserManager = release.load("ToolParserManager")
 
     mode = getattr(ns, "tokenizer_mode", None)
     if isinstance(mode, str) and mode.lower() != "auto":
@@ -260,7 +279,7 @@ def _check_registries(ns: Any, config: ServeConfig, notes: list[str]) -> list[Fi
 
 
 def _check_attention_backend(name: str, config: ServeConfig, notes: list[str]) -> list[Finding]:
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    AttentionBackendEnum = facts().load("AttentionBackendEnum")
 
     key = name.upper()
     if key == "AUTO":
@@ -287,9 +306,7 @@ def _check_attention_backend(name: str, config: ServeConfig, notes: list[str]) -
             f"({type(exc).__name__}), so its compute-capability support was not checked"
         )
         return []
-    from vllm.platforms.interface import DeviceCapability
-
-    cap = DeviceCapability(*capability)
+    cap = facts().load("DeviceCapability")(*capability)
     supports = getattr(cls, "supports_compute_capability", None)
     if supports is not None and not supports(cap):
         gpu = config.hardware.get("name", "this GPU")
@@ -307,7 +324,8 @@ def _check_attention_backend(name: str, config: ServeConfig, notes: list[str]) -
 
 def _check_configs(engine_args: Any, notes: list[str]) -> list[Finding]:
     findings: list[Finding] = []
-    from vllm.config import CacheConfig, ParallelConfig
+    CacheConfig = facts().load("CacheConfig")
+    ParallelConfig = facts().load("ParallelConfig")
 
     try:
         CacheConfig(
@@ -370,23 +388,49 @@ def check_bench(config: BenchConfig) -> tuple[list[Finding], list[str]]:
     return [], []
 
 
+def snapshot_text(command: str) -> str:
+    """The option-table file for ``command`` as the installed vLLM's parser builds it."""
+    table = live_table(command)
+    return (
+        "# Generated by `python -m dsv4_presets.vllm_check --write` from the installed vLLM.\n"
+        "# Do not edit by hand; tests check it against vLLM's real parser.\n"
+        + yaml.safe_dump(table.to_data(), sort_keys=False, width=100)
+    )
+
+
 def _main(argv: list[str] | None = None) -> int:
-    """``python -m dsv4_presets.vllm_check [--write]``: regenerate the option tables from vLLM."""
+    """``python -m dsv4_presets.vllm_check [--write | --diff OLD NEW]``.
+
+    Without options: print the installed vLLM's option tables.  ``--write``:
+    overwrite the shipped tables of the installed release
+    (``data/vllm/<release>/``).  ``--diff OLD NEW``: list the options added,
+    removed and changed between two releases' shipped tables (no vLLM needed).
+    """
     parser = argparse.ArgumentParser(description=_main.__doc__)
     parser.add_argument("--write", action="store_true", help="overwrite the shipped tables")
+    parser.add_argument(
+        "--diff", nargs=2, metavar=("OLD", "NEW"), help="compare two releases' shipped tables"
+    )
     args = parser.parse_args(argv)
-    out = resources.files("dsv4_presets").joinpath("data", "vllm")
+    if args.diff:
+        from dsv4_presets.schema import shipped_table, table_diff
+
+        old, new = args.diff
+        for command in SNAPSHOT_FILES:
+            diff = table_diff(shipped_table(command, old), shipped_table(command, new))
+            print(f"vllm {command}: {old} -> {new}")
+            for what, names in diff.items():
+                print(f"  {what} ({len(names)}): " + (", ".join(names) or "-"))
+        return 0
+    release = facts()
+    out = resources.files("dsv4_presets").joinpath("data", "vllm", release.table_dir)
     for command, filename in SNAPSHOT_FILES.items():
-        table = live_table(command)
-        text = (
-            "# Generated by `python -m dsv4_presets.vllm_check --write` from the installed vLLM.\n"
-            "# Do not edit by hand; tests check it against vLLM's real parser.\n"
-            + yaml.safe_dump(table.to_data(), sort_keys=False, width=100)
-        )
+        text = snapshot_text(command)
         if args.write:
-            with resources.as_file(out.joinpath(filename)) as path:
-                path.write_text(text, encoding="utf-8")
-            print(f"wrote {filename}: {len(table.options)} options")
+            with resources.as_file(out) as folder:
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / filename).write_text(text, encoding="utf-8")
+            print(f"wrote {release.table_dir}/{filename} (vLLM {vllm_version()})")
         else:
             sys.stdout.write(text)
     return 0
