@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     from .cases_sparse_mla import summarise_per_token as sparse_mla_per_token
 
     builders["sparse_mla"] = lambda: sparse_mla_cases(device, smoke)
+    from . import cases_decode
+
+    # the decode matrix runs case by case (its CUDA graphs are freed as it goes)
+    builders["sparse_mla_decode"] = lambda: []
     only = [s for s in args.only.split(",") if s]
 
     bandwidth = harness.copy_bandwidth(device)
@@ -93,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name, build in builders.items():
         if only and not any(s in name for s in only):
+            continue
+        if name == "sparse_mla_decode":
+            results += cases_decode.run(device, smoke, bandwidth, min(args.rep_ms, 40))
             continue
         cases = build()
         results += harness.run_cases(cases, device, bandwidth, rep_ms=args.rep_ms)
@@ -111,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     print(summarise(results, smoke=smoke))
     if any(r.kernel == "sparse_mla" for r in results):
         print(sparse_mla_per_token(results))
+    if any(r.kernel == cases_decode.KERNEL for r in results):
+        print(cases_decode.write_outputs(results, out_dir))
     print(f"results in {out_dir}")
     return 0
 

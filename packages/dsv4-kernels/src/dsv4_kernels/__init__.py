@@ -9,6 +9,13 @@ run the real Triton kernels through it.
 from __future__ import annotations
 
 from . import geometry, reference
+from .decode import (
+    DecodeScratch,
+    DecodeScratchSizes,
+    decode_scratch_sizes,
+    make_decode_scratch,
+    sparse_mla_decode,
+)
 from .kv_cache import (
     dequantize_and_gather_k_cache,
     empty_k_cache,
@@ -25,18 +32,23 @@ from .prefill_indices import (
 from .sparse_mla import sparse_mla_paged, sparse_mla_workspace
 
 __all__ = [
+    "DecodeScratch",
+    "DecodeScratchSizes",
     "GroupedPrefillIndices",
     "PrefillIndices",
     "build_grouped_prefill_indices",
     "build_prefill_indices",
     "combine_topk_swa_indices",
     "compute_global_topk_indices_and_lens",
+    "decode_scratch_sizes",
     "dequantize_and_gather_k_cache",
     "empty_k_cache",
     "geometry",
     "k_cache_page_stride",
+    "make_decode_scratch",
     "quantize_and_insert_k_cache",
     "reference",
+    "sparse_mla_decode",
     "sparse_mla_paged",
     "sparse_mla_workspace",
 ]

@@ -8,7 +8,8 @@ ships ``flashinfer.testing``):
   per-layer cache views vLLM 0.32 allocates;
 - :mod:`.metadata`: prefill batches for ``combine_topk_swa_indices`` and
   top-k rows for ``compute_global_topk_indices_and_lens``;
-- :mod:`.sparse_mla`: queries, FP8 pages and index rows for sparse MLA.
+- :mod:`.sparse_mla`: queries, FP8 pages and index rows for sparse MLA;
+- :mod:`.decode`: decode steps (requests, MTP tokens, page pools) for the decode.
 
 Import the submodule you need; this package imports only :mod:`.common`.
 """

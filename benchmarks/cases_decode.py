@@ -1,0 +1,376 @@
+"""Benchmark cases for the sparse MLA decode (issue 22): ours against FlashMLA's decode.
+
+Matrix: tokens per step 1, 2, 4, ..., 1,024 (one token per request) plus MTP steps
+of 2 tokens per request; V4-Flash TP8 (8 heads, top-k 512) and V4-Pro TP8 (16 heads,
+top-k 1,024) on C4A, C128A (1,024 compressed entries: a 131,072-token context) and
+SWA-only layers; V4-Flash DP (64 heads) on C4A, reported.  Every request is at a
+131,072-token context: 128 window keys, plus 512 / 1,024 C4A or 1,024 C128A keys.
+Rows come from :mod:`dsv4_kernels.testing.decode` over page pools of 150-600 MB
+(random pages: each call's keys are cold after do_bench's L2 flush).
+
+Providers, both timed under CUDA graphs: one graph holds ``ROTATE`` calls, each on
+its own set of index rows (and its own queries' rows of the same pools), and the
+time per call is the replay's median over ``ROTATE``:
+
+* ``dsv4-kernels``: :func:`dsv4_kernels.sparse_mla_decode` (split over keys and
+  combine, or the per-token kernel where the sizes say so), scratch allocated once;
+* ``flashmla-64h``: ``flash_mla_with_kvcache`` on heads padded to 64 as vLLM's
+  ``_forward_decode`` calls it (:mod:`.flashmla_decode`), when FlashMLA imports.
+
+Both are checked first (outputs poisoned, every element written, no NaN, the last
+set of the graph against the float32 reference).  ``floor``: the larger of the
+bytes (584 B and a 4-byte index per valid key, q, out, lse) at the measured copy
+bandwidth and the time per kernel of a graph replaying ``ROTATE`` empty kernels.
+On a CPU (smoke) there are no graphs: tiny steps, wall clock, checks only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .harness import FLOOR, BenchCase, Provider, Result
+
+KERNEL = "sparse_mla_decode"
+OURS = "dsv4-kernels"
+FLASHMLA = "flashmla-64h"
+SCALE = 512**-0.5
+CONTEXT = 131072
+C128A_WIDTH = CONTEXT // 128
+STEPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+MTP_STEPS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
+DP_STEPS = (1, 16, 64, 256, 1024)
+ROTATE = 8
+_CACHE: dict[str, Any] = {}  # page pools per layer type and the scratch, shared by cases
+# Pool pages per layer type (window pages of 64 slots; compressed pages of 64 or 2 slots).
+POOL_PAGES = {"swa": (4096, 0), "c4a": (4096, 4096), "c128a": (4096, 131072)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    layer: str  # c4a | c128a | swa
+    model: str
+    heads: int
+    topk: int
+    tokens: int  # per step
+    per_request: int  # tokens per request (2: MTP)
+
+    @property
+    def name(self) -> str:
+        mtp = f"-mtp{self.per_request}" if self.per_request > 1 else ""
+        return f"{self.layer}-{self.model}-t{self.tokens}{mtp}"
+
+
+def matrix() -> list[DecodeShape]:
+    out = []
+    for layer in ("c4a", "c128a", "swa"):
+        for model, heads, topk in (("flash-tp8", 8, 512), ("pro-tp8", 16, 1024)):
+            out += [DecodeShape(layer, model, heads, topk, t, 1) for t in STEPS]
+            out += [DecodeShape(layer, model, heads, topk, t, 2) for t in MTP_STEPS]
+    out += [DecodeShape("c4a", "flash-dp", 64, 512, t, 1) for t in DP_STEPS]
+    return out
+
+
+SMOKE = [
+    DecodeShape("c4a", "h3", 3, 64, 1, 1),
+    DecodeShape("c128a", "h8", 8, 0, 2, 1),
+    DecodeShape("swa", "h16", 16, 0, 4, 2),
+]
+
+
+def _graph(calls: list[Callable[[], object]], device: torch.device) -> Callable[[], object]:
+    """One callable running every call: a CUDA graph replay on a GPU, eager on a CPU."""
+    if device.type != "cuda":
+        return lambda: [c() for c in calls]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:  # compile, plan, warm up outside the capture
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return graph.replay
+
+
+def launch_floor_us(device: torch.device, rep_ms: int = 50) -> float:
+    """Microseconds per kernel of a graph replaying ``ROTATE`` empty Triton kernels."""
+    if device.type != "cuda":
+        return 0.0
+    import triton.testing
+
+    from .empty_kernel import launch_empty
+
+    replay = _graph([lambda: launch_empty(device)] * ROTATE, device)
+    return float(triton.testing.do_bench(replay, rep=rep_ms, return_mode="median")) * 1e3 / ROTATE
+
+
+def _assert_close(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor],
+                  what: str) -> None:  # fmt: skip
+    out, lse = got
+    assert not torch.isnan(out.float()).any(), f"{what}: NaN (unwritten) output"
+    assert not torch.isnan(lse).any(), f"{what}: NaN (unwritten) lse"
+    torch.testing.assert_close(out.float(), want[0].float(), atol=3e-2, rtol=3e-2, msg=what)
+    empty = torch.isneginf(want[1])
+    assert torch.equal(torch.isneginf(lse), empty), f"{what}: lse -inf pattern differs"
+    torch.testing.assert_close(lse[~empty], want[1][~empty], atol=2e-3, rtol=1e-4, msg=what)
+
+
+def build_cases(
+    device: torch.device,
+    smoke: bool,
+    shapes: Sequence[DecodeShape] | None = None,
+    flashmla: bool = True,
+) -> list[BenchCase]:
+    import dsv4_kernels as dk
+    from dsv4_kernels import reference as ref
+    from dsv4_kernels.testing import decode as td
+    from dsv4_kernels.testing.common import fresh_seed
+
+    from .flashmla_decode import PaddedFlashMLADecode, load_decode
+
+    fns, why = load_decode()
+    if fns is None:
+        print(f"(FlashMLA decode provider unavailable: {why})")
+    gpu = device.type == "cuda"
+    rotate = ROTATE if gpu else 2
+    context = CONTEXT if gpu else 700
+    shapes = list(shapes if shapes is not None else (SMOKE if smoke else matrix()))
+    max_t = max(s.tokens for s in shapes)
+    max_h = max(s.heads for s in shapes)
+    widths = [128 + (s.topk if s.layer == "c4a" else 0) for s in shapes]
+    widths.append(128 + (C128A_WIDTH if gpu else context // 128))
+    sizes = dk.decode_scratch_sizes(max(max_t, 1024 if gpu else 1), max(max_h, 64 if gpu else 1),
+                                    max(widths), device)  # fmt: skip
+    if _CACHE.get("sizes") != sizes:
+        _CACHE["sizes"] = sizes
+        _CACHE["scratch"] = dk.make_decode_scratch(sizes, device)
+    scratch = _CACHE["scratch"]
+    pools: dict[str, Any] = _CACHE.setdefault("pools", {})
+    cases = []
+    for shape in shapes:
+        seed = fresh_seed()
+        g = torch.Generator(device=device).manual_seed(seed)
+        if shape.layer not in pools:
+            swa_pages, comp_pages = POOL_PAGES[shape.layer] if gpu else (64, 64)
+            pools[shape.layer] = td.make_pools(
+                shape.layer, swa_pages=swa_pages, comp_pages=comp_pages, generator=g, device=device
+            )
+        pool = pools[shape.layer]
+        reqs = shape.tokens // shape.per_request
+        topk = shape.topk if shape.layer == "c4a" else 512
+        sets = [
+            td.decode_rows(pool, [context] * reqs, shape.per_request, generator=g, topk=topk,
+                           comp_width=C128A_WIDTH if gpu else None)  # fmt: skip
+            for _ in range(rotate)
+        ]
+        case = td.DecodeCase(
+            td.random_q(shape.tokens, shape.heads, generator=g, device=device),
+            td.random_sink(shape.heads, generator=g, device=device),
+            pool, sets[-1], shape.per_request,
+        )  # fmt: skip
+        T, H = shape.tokens, shape.heads
+        last = sets[-1]
+        sample = torch.unique(torch.cat([torch.arange(0, T, max(1, T // 64)),
+                                         torch.tensor([T - 1])])).to(device)  # fmt: skip
+        kw_last = case.kwargs(last)
+        if "comp_indices" in kw_last:
+            kw_last.update(comp_indices=last.comp_indices[sample],
+                           comp_lens=last.comp_lens[sample])  # fmt: skip
+        want = ref.sparse_mla_paged(case.q[sample], pool.swa.cache, last.swa_indices[sample],
+                                    last.swa_lens[sample], SCALE, **kw_last)  # fmt: skip
+        out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=device)
+        lse = torch.empty((T, H), dtype=torch.float32, device=device)
+
+        def ours_call(r: Any, c: Any = case, o: torch.Tensor = out, l: torch.Tensor = lse) -> None:
+            dk.sparse_mla_decode(c.q, c.pools.swa.cache, r.swa_indices, r.swa_lens, SCALE,
+                                 scratch=scratch, out=o, lse=l, **c.kwargs(r))  # fmt: skip
+
+        def poison(o: torch.Tensor = out, l: torch.Tensor = lse) -> None:
+            o.fill_(float("nan"))
+            l.fill_(float("nan"))
+
+        def check(o: torch.Tensor = out, l: torch.Tensor = lse, w: Any = want,
+                  s: torch.Tensor = sample, n: str = shape.name) -> None:  # fmt: skip
+            assert not torch.isnan(o.float()).any(), f"{n}: unwritten (NaN) output elements"
+            _assert_close((o[s], l[s]), w, f"ours {n} (seed {seed})")
+
+        replay = _graph([lambda r=r: ours_call(r) for r in sets], device)
+        providers = [Provider(OURS, replay, poison, check)]
+        if fns is not None and gpu and flashmla:
+            fm = PaddedFlashMLADecode(
+                case.q, pool.swa.cache, None if pool.comp is None else pool.comp.cache, sets,
+                SCALE, case.sink,
+            )  # fmt: skip
+
+            def fm_check(f: Any = fm, w: Any = want, s: torch.Tensor = sample,
+                         n: str = shape.name) -> None:  # fmt: skip
+                o, l = f.outputs()
+                _assert_close((o[s], l[s]), w, f"FlashMLA {n} (seed {seed})")
+
+            def fm_poison(f: Any = fm) -> None:
+                if f.result:
+                    f.result[0].fill_(float("nan"))
+
+            fm_replay = _graph([lambda i=i, f=fm: f.call(i) for i in range(rotate)], device)
+            providers.append(Provider(FLASHMLA, fm_replay, fm_poison, fm_check))
+        keys = last.swa_lens.long() + (0 if last.comp_lens is None else last.comp_lens.long())
+        floor_bytes = int(keys.sum()) * (584 + 4) + T * H * (1024 + 1024 + 4)
+        splits = dk.decode.decode_splits(
+            T, H, 128, 0 if last.comp_indices is None else last.comp_indices.shape[1],
+            dk.decode.num_sms(device),
+        )
+        cases.append(
+            BenchCase(KERNEL, shape.name, T, floor_bytes, providers, {
+                "layer": shape.layer, "model": shape.model, "heads": H, "tokens": T,
+                "per_request": shape.per_request, "keys_mean": float(keys.float().mean()),
+                "calls_per_graph": rotate, "splits": splits[0], "chunk": splits[1],
+                "seed": seed, "graph": gpu,
+            })  # fmt: skip
+        )
+    return cases
+
+
+def finalise(results: list[Result], launch_us: float) -> list[Result]:
+    """Per call (each graph replay ran ``calls_per_graph`` calls) and the floor as the
+    larger of bytes at bandwidth and one graph-replayed launch."""
+    out = []
+    for r in results:
+        if r.kernel != KERNEL:
+            out.append(r)
+            continue
+        n = r.params.get("calls_per_graph", 1)
+        floor = max(r.floor_us, launch_us)
+        if r.provider == FLOOR:
+            out.append(dataclasses.replace(r, p20_us=floor, p50_us=floor, p80_us=floor,
+                                           floor_us=floor))  # fmt: skip
+        else:
+            out.append(dataclasses.replace(r, p20_us=r.p20_us / n, p50_us=r.p50_us / n,
+                                           p80_us=r.p80_us / n, floor_us=floor))  # fmt: skip
+    return out
+
+
+def _geomean(xs: Sequence[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def summarise(results: Sequence[Result]) -> tuple[str, dict[str, Any]]:
+    """Markdown table (us per call, ratio FlashMLA / ours, floor) and the dispatch data:
+    per layer and head count, the step sizes (one token per request) where ours was
+    faster."""
+    rows: dict[str, dict[str, Result]] = {}
+    for r in results:
+        if r.kernel == KERNEL:
+            rows.setdefault(r.case, {})[r.provider] = r
+    lines = ["| case | layer | heads | tokens | per req | splits | ours us | FlashMLA us | "
+             "FlashMLA / ours | floor us | ours / floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    groups: dict[tuple[str, int], dict[str, Any]] = {}
+    for case, row in rows.items():
+        ours = row.get(OURS)
+        if ours is None:
+            continue
+        p = ours.params
+        fm = row.get(FLASHMLA)
+        ratio = fm.p50_us / ours.p50_us if fm else float("nan")
+        floor = ours.floor_us
+        lines.append(
+            f"| {case} | {p['layer']} | {p['heads']} | {p['tokens']} | {p['per_request']} | "
+            f"{p['splits']} | **{ours.p50_us:.2f}** | {fm.p50_us if fm else float('nan'):.2f} | "
+            f"{ratio:.2f}x | {floor:.2f} | {ours.p50_us / floor if floor else float('nan'):.2f}x |"
+        )
+        if fm is None:
+            continue
+        grp = groups.setdefault((p["layer"], p["heads"]), {"steps": {}, "mtp": {}})
+        grp["mtp" if p["per_request"] > 1 else "steps"][p["tokens"]] = round(ratio, 3)
+    lines += ["", "| layer | heads | geomean (1 token/req) | min | steps faster | "
+              "1-32 tokens >= 1.3x | MTP geomean |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    table: dict[str, Any] = {}
+    for (layer, heads), grp in sorted(groups.items()):
+        steps = grp["steps"]
+        ratios = list(steps.values())
+        faster = sorted(t for t, x in steps.items() if x >= 1.0)
+        small = [steps[t] for t in steps if t <= 32]
+        lines.append(
+            f"| {layer} | {heads} | {_geomean(ratios):.2f}x | {min(ratios):.2f}x | "
+            f"{len(faster)}/{len(steps)} | {sum(x >= 1.3 for x in small)}/{len(small)} | "
+            f"{_geomean(list(grp['mtp'].values())):.2f}x |"
+        )
+        table[f"{layer}/{heads}"] = {"ratios": steps, "mtp_ratios": grp["mtp"]}
+    return "\n".join(lines), table
+
+
+def write_outputs(results: Sequence[Result], out_dir: Path) -> str:
+    text, table = summarise(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "decode.md").write_text(text + "\n")
+    (out_dir / "decode_table.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return text
+
+
+def run(
+    device: torch.device,
+    smoke: bool,
+    bandwidth: float,
+    rep_ms: int,
+    only: Sequence[str] = (),
+    log: Callable[[str], None] = print,
+) -> list[Result]:
+    """Build, check and time the matrix one case at a time (each case's graphs and
+    buffers are freed before the next); results per call, with the launch floor."""
+    from . import harness
+
+    gpu = device.type == "cuda"
+    launch = launch_floor_us(device)
+    log(f"decode: one graph-replayed kernel {launch:.2f} us")
+    pool = SMOKE if smoke or not gpu else matrix()
+    shapes = [s for s in pool if not only or any(o in s.name for o in only)]
+    results: list[Result] = []
+    for shape in shapes:
+        cases = build_cases(device, smoke, [shape])
+        results += finalise(harness.run_cases(cases, device, bandwidth, rep_ms, log), launch)
+        del cases
+        if gpu:
+            torch.cuda.empty_cache()
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.cases_decode [--only SUBSTR] [--out DIR]``: this matrix alone."""
+    import argparse
+
+    from . import harness
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cases_decode")
+    p.add_argument("--only", default="", help="comma-separated case-name substrings")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--rep-ms", type=int, default=40)
+    args = p.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    only = [s for s in args.only.split(",") if s]
+    env = harness.environment(device)
+    bw = harness.copy_bandwidth(device)
+    env.update(copy_bandwidth_gbps=f"{bw / 1e9:.1f}")
+    print(f"device {env['gpu']} torch {env['torch']} triton {env['triton']} sha {env['git_sha']}"
+          f" bandwidth {bw / 1e9:.0f} GB/s")  # fmt: skip
+    results = run(device, not gpu, bw, args.rep_ms, only)
+    text = summarise(results)[0]
+    print(text)
+    if args.out is not None:
+        harness.write_jsonl(results, env, args.out / "results.jsonl")
+        write_outputs(results, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""FlashMLA's sparse FP8 decode as vLLM runs it for DSV4: the decode benchmark's peer.
+
+vLLM's ``_forward_decode`` (``models/deepseek_v4/nvidia/flashmla.py``, the same in
+0.32 and 0.33) calls ``flash_mla_with_kvcache`` with the query padded to 64 heads
+(128 above 64) as ``[T, 1, H_pad, 512]``, the window cache view unsqueezed to
+``[pages, 64, 1, 584]`` with window indices ``[T, 1, 128]`` and ``topk_length``,
+the compressed cache as the extra cache with ``[T, 1, K]`` global slots and
+``extra_topk_length``, the sink (padded heads at ``-inf`` here) and the scale, and
+one ``FlashMLASchedMeta`` per layer type and step: its first call runs FlashMLA's
+tile-scheduler planner, later layers of the step reuse the plan.  Here the plan is
+made once by a warm-up call and every timed call reuses it (the planner's cost,
+paid once per layer type per step in vLLM, is left out: in FlashMLA's favour).
+
+Imports FlashMLA only (never copies it): built with ``bash .fmla/build-on-gpu.sh``
+into ``/tmp/fmla`` or ``DSV4_FLASHMLA_PATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .flashmla_provider import DEFAULT_PATH, padded_heads
+
+_LOADED: dict[str, Any] = {}
+
+
+def load_decode() -> tuple[tuple[Callable[..., Any], Callable[..., Any]] | None, str]:
+    """((``flash_mla_with_kvcache``, ``get_mla_metadata``) or None, why not)."""
+    if "fns" in _LOADED:
+        return _LOADED["fns"], str(_LOADED["why"])
+    path = os.environ.get("DSV4_FLASHMLA_PATH", DEFAULT_PATH)
+    fns = None
+    why = ""
+    if not torch.cuda.is_available():
+        why = "FlashMLA needs a CUDA GPU"
+    elif not os.path.isdir(path):
+        why = f"FlashMLA is not built at {path} (run bash .fmla/build-on-gpu.sh on the GPU machine)"
+    else:
+        if path not in sys.path:
+            sys.path.insert(0, path)
+        try:
+            from flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+            fns = (flash_mla_with_kvcache, get_mla_metadata)
+        except Exception as exc:  # an unbuilt or mismatched extension raises many kinds
+            why = f"FlashMLA at {path} does not import: {type(exc).__name__}: {exc}"
+    _LOADED["fns"], _LOADED["why"] = fns, why
+    return fns, why
+
+
+class PaddedFlashMLADecode:
+    """``flash_mla_with_kvcache`` on heads padded to 64/128 over our FP8 pages.
+
+    ``rows`` is a list of index-row sets (each with ``swa_indices``, ``swa_lens``,
+    ``comp_indices``, ``comp_lens``); ``call(i)`` runs set ``i`` (the benchmark
+    rotates sets inside one CUDA graph).  ``outputs()`` gives the real heads of the
+    last call, with FlashMLA's ``+inf`` lse of a row without keys as ``-inf``.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        swa_cache: torch.Tensor,
+        comp_cache: torch.Tensor | None,
+        rows: list[Any],
+        scale: float,
+        attn_sink: torch.Tensor,
+    ) -> None:
+        fns, why = load_decode()
+        if fns is None:
+            raise RuntimeError(why)
+        self._fn, get_meta = fns
+        T, H, D = q.shape
+        self.heads = H
+        hp = padded_heads(H)
+        self.q = torch.zeros((T, 1, hp, D), dtype=q.dtype, device=q.device)
+        self.q[:, 0, :H] = q
+        self.sink = torch.full((hp,), float("-inf"), dtype=torch.float32, device=q.device)
+        self.sink[:H] = attn_sink
+        self.swa = swa_cache.unsqueeze(-2)
+        self.comp = None if comp_cache is None else comp_cache.unsqueeze(-2)
+        self.rows = rows
+        self.scale = scale
+        self.meta = get_meta()[0]
+        self.result: tuple[torch.Tensor, ...] = ()
+
+    def call(self, i: int = 0) -> None:
+        r = self.rows[i]
+        self.result = self._fn(
+            q=self.q,
+            k_cache=self.swa,
+            block_table=None,
+            cache_seqlens=None,
+            head_dim_v=512,
+            tile_scheduler_metadata=self.meta,
+            softmax_scale=self.scale,
+            is_fp8_kvcache=True,
+            indices=r.swa_indices.unsqueeze(1),
+            topk_length=r.swa_lens,
+            attn_sink=self.sink,
+            extra_k_cache=self.comp,
+            extra_indices_in_kvcache=None if self.comp is None else r.comp_indices.unsqueeze(1),
+            extra_topk_length=None if self.comp is None else r.comp_lens,
+        )
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = self.result  # [T, 1, hp, 512], [T, hp, 1]
+        o = out[:, 0, : self.heads]
+        lse = lse.reshape(lse.shape[0], -1)[:, : self.heads]
+        return o, torch.where(torch.isposinf(lse), float("-inf"), lse)

@@ -1,0 +1,148 @@
+# mypy: ignore-errors
+"""Gluon (Hopper wgmma) split-key kernel of the sparse MLA decode, 1 to 16 heads.
+
+The same partial results as :func:`._triton_decode._decode_split_kernel`, from the
+prefill's wgmma tile loop (:func:`._gluon_sparse_mla._attend_source`: per tile of
+64 keys the FP8 codes, scale bytes and rope are gathered by slot, dequantised once
+into a shared bf16 tile, ``S^T = K q^T`` and ``O^T += K^T P^T`` by wgmma with the
+keys on M and the heads padded to 8 or 16 inside the kernel only).
+
+One program (one warpgroup) per (token, chunk): the chunk is columns ``[s * chunk,
+(s + 1) * chunk)`` of the token's window-then-compressed column list.  It writes
+the chunk's normalised float32 output and base-2 log-sum-exp for its real heads;
+:func:`._triton_decode._decode_combine_kernel` merges the chunks.  CUDA sm_90 only;
+the launcher in :mod:`.decode` chooses it.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+
+from ._gluon_sparse_mla import _attend_source, _cta_barrier, _rows
+from ._triton_decode import SPLIT_RUNTIME_ARGS
+
+
+@gluon.jit
+def _clip(lo, hi, offset, end):
+    """The source's own columns ``[c0, c1)`` of chunk ``[lo, hi)`` (see _triton_decode)."""
+    c0 = gl.minimum(gl.maximum(lo - offset, 0), end)
+    c1 = gl.minimum(gl.maximum(hi - offset, 0), end)
+    return c0, c1
+
+
+@gluon.jit(do_not_specialize=SPLIT_RUNTIME_ARGS)
+def _decode_split_wgmma_kernel(
+    q_ptr, po_ptr, plse_ptr,
+    a_src_ptr, a_idx_ptr, a_len_ptr, b_src_ptr, b_idx_ptr, b_len_ptr,
+    num_tokens, num_heads, num_splits, chunk,
+    a_idx_stride, a_width, a_row_stride, a_num_rows,
+    b_idx_stride, b_width, b_row_stride, b_num_rows,
+    q_stride_t, q_stride_h,
+    qk_scale,
+    A_SLOTS: gl.constexpr, A_HAS_LENS: gl.constexpr, HAS_B: gl.constexpr,
+    B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr,
+    DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
+    HT: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
+):  # fmt: skip
+    BN: gl.constexpr = 64
+    D: gl.constexpr = 512
+    QB: gl.constexpr = 64
+    NOPE_: gl.constexpr = 448
+    HP: gl.constexpr = HT
+    L_CODE: gl.constexpr = (
+        gl.DistributedLinearLayout(
+            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+            lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]],
+            block_bases=[],
+            shape=[64, 64],
+        )
+        if REG_A
+        else gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+    )
+    L_ROPE: gl.constexpr = L_CODE if REG_A else gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    L_OUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [4, 1], [0, 1])
+    L_MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16]
+    )
+    k_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [1, BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
+    )
+    q_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [1, HP, D], gl.NVMMASharedLayout.get_default_for([HP, D], gl.bfloat16)
+    )
+    p_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [1, HP, BN], gl.NVMMASharedLayout.get_default_for([HP, BN], gl.bfloat16)
+    )
+
+    pid = gl.program_id(0)
+    t = (pid // num_splits).to(gl.int64)
+    s = pid % num_splits
+    tq, hq, q_ok = _rows(t, t + 1, num_heads, HP, HT, gl.SliceLayout(1, L_Q))
+    q_row = tq * q_stride_t + hq.to(gl.int64) * q_stride_h
+    if IO_VEC:
+        q_row = gl.multiple_of(q_row, 8)
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, L_Q))
+    q = gl.load(
+        q_ptr + gl.expand_dims(q_row, 1) + gl.expand_dims(dq, 0),
+        mask=gl.expand_dims(q_ok, 1),
+        other=0.0,
+    )
+    if REG_A:  # q's columns in the order the register A operand's blocks take
+        q = gl.reshape(q, [HP, 8, 2, 2, 2, 2, 2, 2])
+        q = gl.reshape(gl.permute(q, (0, 1, 4, 5, 6, 2, 3, 7)), [HP, D])
+    q_smem.index(0).store(q)
+    fence_async_shared()
+    _cta_barrier()
+
+    m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
+    l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))
+    acc = gl.zeros([D, HP], gl.float32, layout=L_MMA)
+
+    lo = s * chunk
+    hi = lo + chunk
+    a_end = a_width
+    if A_HAS_LENS:
+        a_end = gl.maximum(gl.minimum(gl.load(a_len_ptr + t), a_width), 0)
+    a0, a1 = _clip(lo, hi, 0, a_end)
+    acc, m_i, l_i = _attend_source(
+        acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride,
+        a0, a1, a1, a1, a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES,
+        SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
+    )  # fmt: skip
+    if HAS_B:
+        b_end = b_width
+        if B_HAS_LENS:
+            b_end = gl.maximum(gl.minimum(gl.load(b_len_ptr + t), b_width), 0)
+        b0, b1 = _clip(lo, hi, a_width, b_end)
+        acc, m_i, l_i = _attend_source(
+            acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
+            b0, b1, b1, b1, b_row_stride, b_num_rows, qk_scale, B_SLOTS, DATA_BYTES,
+            SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
+        )  # fmt: skip
+
+    ts, hs, row_ok = _rows(t, t + 1, num_heads, HP, HT, gl.SliceLayout(0, L_MMA))
+    has_key = l_i > 0.0
+    l_safe = gl.where(has_key, l_i, 1.0)
+    lse2 = gl.where(has_key, m_i + gl.log2(l_safe), float("-inf"))
+    factor = gl.where(has_key, 1.0 / l_safe, 0.0)
+    prow = pid.to(gl.int64) * num_heads
+    gl.store(plse_ptr + prow + hs, lse2, mask=row_ok)
+    o = gl.convert_layout(acc * gl.expand_dims(factor, 0), L_OUT)
+    do = gl.arange(0, D, layout=gl.SliceLayout(1, L_OUT))
+    to, ho, o_ok = _rows(t, t + 1, num_heads, HP, HT, gl.SliceLayout(0, L_OUT))
+    o_row = (prow + ho.to(gl.int64)) * D
+    gl.store(
+        po_ptr + gl.expand_dims(o_row, 0) + gl.expand_dims(do, 1),
+        o,
+        mask=gl.expand_dims(o_ok, 0),
+    )
+
+
+def compiled_variants() -> int:
+    """How many variants of the kernel this process has compiled (0: never built)."""
+    caches = getattr(_decode_split_wgmma_kernel, "device_caches", {})
+    return sum(len(entry[0]) for entry in caches.values())

@@ -1,0 +1,404 @@
+"""Sparse MLA decode with sink from the FP8 pages: split over keys, then combine.
+
+Same contract as :func:`dsv4_kernels.sparse_mla_paged` (window slots + compressed
+slots per token, ``-1`` holes, lengths, per-head sink, lse without the sink, a
+token with no valid key gives ``out = 0`` and ``lse = -inf``), for decode steps:
+few query tokens (1-4 per request for MTP and DSpark, each with its own rows)
+and head-exact at 1-16 heads.
+
+With few tokens one program per token would leave the GPU idle, so each token's
+column list (its ``a_width`` window columns, then its ``b_width`` compressed
+columns) is cut into ``num_splits`` chunks of ``chunk`` columns (whole tiles of
+64 keys), chosen on the host from the shapes alone (:func:`decode_splits`: no
+device read, no synchronisation).  One program per (token, chunk) writes that
+chunk's partial result into the caller's scratch (:class:`DecodeScratch`,
+allocated once, outside the step) and a combine kernel merges the chunks, applies
+the sink and writes ``out`` and ``lse``.  With many tokens (``num_splits == 1``)
+the prefill kernel runs as it is (one program per token, no partials).  Nothing
+is allocated in a call that is given ``out`` and a scratch: it can be captured
+in a CUDA graph and replayed with new indices and lengths in the same buffers.
+
+CUDA on Hopper runs the Gluon wgmma split kernel (:mod:`._gluon_decode`) at up to
+16 heads; other GPUs, more heads and Triton's interpreter run the Triton split
+kernel (:mod:`._triton_decode`); CPU tensors without the interpreter run the
+torch reference (:func:`dsv4_kernels.reference.sparse_mla_decode`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import torch
+import triton
+
+from . import _triton_decode as _k
+from . import sparse_mla as _sm
+from ._validation import check_out, check_positive_int, check_tensor, interpreter_enabled
+from ._validation import use_triton
+from .geometry import HEAD_DIM
+
+__all__ = [
+    "DECODE_TILES",
+    "DecodeScratch",
+    "DecodeScratchSizes",
+    "decode_scratch_sizes",
+    "decode_splits",
+    "make_decode_scratch",
+    "sparse_mla_decode",
+]
+
+# Split policy (H200 sweep in docs/attention.md, "Decode"): keys per tile of the
+# split kernels (the wgmma tile; the Triton kernel runs two of its 32-key tiles
+# per 64), programs the policy aims for per multiprocessor (what fits at once:
+# three wgmma programs at up to 8 heads, two at 16), the fewest tiles a chunk
+# holds, the per-token kernel once ``NOSPLIT_DIV * tokens`` reaches that target,
+# rows of at most ``SHORT_TILES`` tiles (SWA-only layers) unsplit once their tiles
+# reach ``SHORT_NOSPLIT_PCT`` percent of the target (run 2 of the decode sweep: the
+# combine costs more than half of a two-tile row saves), the multiprocessor count assumed where there is no GPU, and the most partials
+# the combine merges per step (one step for up to 32 chunks).
+DECODE_TILES: dict[str, int] = dict(
+    TILE_KEYS=64,
+    PROGRAMS_PER_SM_H8=3,
+    PROGRAMS_PER_SM=2,
+    MIN_TILES_PER_SPLIT=1,
+    NOSPLIT_DIV=2,
+    SHORT_TILES=2,
+    SHORT_NOSPLIT_PCT=60,
+    CPU_SMS=4,
+    COMBINE_SPLITS=32,
+)
+
+
+@functools.cache
+def _device_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def num_sms(device: torch.device | str | None = None) -> int:
+    """Multiprocessors of a CUDA device (host query, cached); ``CPU_SMS`` elsewhere."""
+    dev = torch.device("cuda" if device is None else device)
+    if dev.type != "cuda":
+        return DECODE_TILES["CPU_SMS"]
+    return _device_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def decode_splits(
+    num_tokens: int, num_heads: int, a_width: int, b_width: int, sms: int
+) -> tuple[int, int]:
+    """``(num_splits, chunk)`` for a decode call, from sizes only.
+
+    The ``tiles`` of 64 columns of a token's list are shared out so that
+    ``num_tokens * num_splits`` programs fill ``sms`` multiprocessors at the
+    policy's programs per multiprocessor: ``tiles_per_split = ceil(tiles *
+    num_tokens / target)`` (at least ``MIN_TILES_PER_SPLIT``).  ``num_splits ==
+    1`` (the per-token kernel, ``chunk`` the whole list) once the tokens alone
+    reach ``1 / NOSPLIT_DIV`` of the target.
+    """
+    cfg = DECODE_TILES
+    tile = cfg["TILE_KEYS"]
+    width = a_width + b_width
+    tiles = max(1, -(-a_width // tile) + -(-b_width // tile))
+    per_sm = cfg["PROGRAMS_PER_SM_H8"] if num_heads <= 8 else cfg["PROGRAMS_PER_SM"]
+    target = max(1, sms * per_sm)
+    if num_tokens <= 0 or cfg["NOSPLIT_DIV"] * num_tokens >= target or tiles <= 1:
+        return 1, max(width, 1)
+    if tiles <= cfg["SHORT_TILES"] and 100 * tiles * num_tokens >= cfg["SHORT_NOSPLIT_PCT"] * target:
+        return 1, max(width, 1)
+    per_split = max(cfg["MIN_TILES_PER_SPLIT"], -(-tiles * num_tokens // target))
+    splits = -(-tiles // per_split)
+    if splits <= 1:
+        return 1, max(width, 1)
+    return splits, per_split * tile
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeScratchSizes:
+    """Float32 elements of each scratch buffer for the largest decode batch."""
+
+    partial_rows: int  # (token, chunk) rows: max over batches of tokens * splits
+    max_heads: int
+    max_tokens: int
+
+    @property
+    def partial_out(self) -> int:
+        return self.partial_rows * self.max_heads * HEAD_DIM
+
+    @property
+    def partial_lse(self) -> int:
+        return self.partial_rows * self.max_heads
+
+    @property
+    def lse(self) -> int:
+        return self.max_tokens * self.max_heads
+
+    @property
+    def total(self) -> int:
+        """All three, in float32 elements (``4 * total`` bytes)."""
+        return self.partial_out + self.partial_lse + self.lse
+
+
+def decode_scratch_sizes(
+    max_tokens: int,
+    max_heads: int,
+    max_keys: int,
+    device: torch.device | str | None = None,
+    *,
+    window: int = 128,
+    sms: int | None = None,
+) -> DecodeScratchSizes:
+    """The scratch a decode batch of up to ``max_tokens`` tokens, ``max_heads`` heads
+    and ``max_keys`` columns per token (``window + compressed width``: 640 for
+    V4-Flash C4A, ``128 + vLLM's C128A width`` for C128A) needs on ``device``
+    (its multiprocessor count sets the splits; ``sms`` overrides it).  Every batch at most that large
+    fits, whatever its split of columns between the two sources."""
+    check_positive_int("max_tokens", max_tokens)
+    check_positive_int("max_heads", max_heads)
+    check_positive_int("max_keys", max_keys)
+    sms = num_sms(device) if sms is None else check_positive_int("sms", sms)
+    per_sm = max(DECODE_TILES["PROGRAMS_PER_SM_H8"], DECODE_TILES["PROGRAMS_PER_SM"])
+    rows = 1
+    b_max = max(max_keys - window, 0)
+    widths = {b_max, *range(0, b_max + 1, DECODE_TILES["TILE_KEYS"])}
+    for t in range(1, min(max_tokens, sms * per_sm) + 1):
+        for b in widths:
+            for h in {1, min(max_heads, 8), max_heads}:
+                s = decode_splits(t, h, min(window, max_keys), b, sms)[0]
+                rows = max(rows, t * s if s > 1 else 1)
+    return DecodeScratchSizes(rows, max_heads, max_tokens)
+
+
+@dataclasses.dataclass
+class DecodeScratch:
+    """Preallocated float32 buffers of a decode call (views are taken per call)."""
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+    lse: torch.Tensor
+    sizes: DecodeScratchSizes
+
+
+def make_decode_scratch(
+    sizes: DecodeScratchSizes,
+    device: torch.device | str,
+    buffer: torch.Tensor | None = None,
+) -> DecodeScratch:
+    """Allocate the scratch (or carve it from ``buffer``: a flat float32 tensor of at
+    least ``sizes.total`` elements on ``device``, e.g. from vLLM's workspace)."""
+    if buffer is None:
+        buffer = torch.empty(sizes.total, dtype=torch.float32, device=device)
+    buf = check_tensor("buffer", buffer, dtype=torch.float32, ndim=1)
+    if buf.numel() < sizes.total or (buf.numel() > 1 and buf.stride(0) != 1):
+        raise ValueError(f"buffer must be contiguous with >= {sizes.total} float32 elements")
+    a, b = sizes.partial_out, sizes.partial_out + sizes.partial_lse
+    return DecodeScratch(buf[:a], buf[a:b], buf[b : b + sizes.lse], sizes)
+
+
+def _check_scratch(scratch: object, T: int, H: int, rows: int, device: torch.device) -> None:
+    if not isinstance(scratch, DecodeScratch):
+        raise ValueError(f"scratch must be a DecodeScratch, got {type(scratch).__name__}")
+    z = scratch.sizes
+    if z.max_heads < H or z.max_tokens < T or z.partial_rows < rows:
+        raise ValueError(
+            f"scratch holds {z.max_tokens} tokens, {z.max_heads} heads and {z.partial_rows} "
+            f"partial rows; this call needs {T}, {H} and {rows}"
+        )
+    if scratch.partial_out.device != device:
+        raise ValueError(f"scratch must be on {device} like q, got {scratch.partial_out.device}")
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    swa_cache: torch.Tensor,
+    swa_indices: torch.Tensor,
+    swa_lens: torch.Tensor | None,
+    scale: float,
+    *,
+    swa_block_size: int,
+    scratch: DecodeScratch,
+    attn_sink: torch.Tensor | None = None,
+    comp_cache: torch.Tensor | None = None,
+    comp_indices: torch.Tensor | None = None,
+    comp_lens: torch.Tensor | None = None,
+    comp_block_size: int | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA with sink for a decode step, split over keys (module docstring).
+
+    Arguments as :func:`dsv4_kernels.sparse_mla_paged` (``q`` ``[T, H, 512]`` bf16
+    with any token and head strides, the caches as vLLM's per-layer views with any
+    ``stride(0)``, int32 rows ``[T, K]`` of global slots with ``-1`` holes and
+    ``[T]`` lengths), plus:
+
+    Args:
+        scratch: from :func:`make_decode_scratch`, sized by
+            :func:`decode_scratch_sizes` for at least this call.
+        out: ``[T, H, 512]`` bf16, written in place (allocated when None).
+        lse: ``[T, H]`` float32; None writes it into the scratch (returned as a view).
+        num_splits: force the number of key chunks (tests, sweeps); None chooses
+            it from the sizes (:func:`decode_splits`).
+
+    Returns:
+        ``(out, lse)``.
+
+    Raises:
+        ValueError: naming the argument, as :func:`dsv4_kernels.sparse_mla_paged`,
+            and for a scratch too small for the call.
+    """
+    q = _sm._check_q(q)
+    device = q.device
+    T, H, _ = q.shape
+    scale = _sm._check_scale(scale)
+    check_positive_int("swa_block_size", swa_block_size)
+    a_stride = _sm._check_page_cache("swa_cache", swa_cache, swa_block_size, device)
+    a_idx, a_lens = _sm._check_rows("swa_indices", swa_indices, "swa_lens", swa_lens, T, device)
+    comp_given = [x is not None for x in (comp_cache, comp_indices, comp_block_size)]
+    if any(comp_given) and not all(comp_given):
+        raise ValueError(
+            "comp_cache, comp_indices and comp_block_size must be given together "
+            "(all None for SWA-only layers)"
+        )
+    if comp_lens is not None and comp_cache is None:
+        raise ValueError("comp_lens given without comp_cache / comp_indices")
+    b_stride, b_width = 0, 0
+    b_idx = b_lens = None
+    if comp_cache is not None:
+        assert comp_block_size is not None
+        check_positive_int("comp_block_size", comp_block_size)
+        b_stride = _sm._check_page_cache("comp_cache", comp_cache, comp_block_size, device)
+        b_idx, b_lens = _sm._check_rows(
+            "comp_indices", comp_indices, "comp_lens", comp_lens, T, device
+        )
+        b_width = b_idx.shape[1]
+    a_width = a_idx.shape[1]
+    if num_splits is None:
+        splits, chunk = decode_splits(T, H, a_width, b_width, num_sms(device))
+    else:
+        splits = check_positive_int("num_splits", num_splits)
+        tile = DECODE_TILES["TILE_KEYS"]
+        chunk = -(-max(a_width + b_width, 1) // (splits * tile)) * tile
+    _check_scratch(scratch, T, H, T * splits if splits > 1 else 0, device)
+    sink = None
+    if attn_sink is not None:
+        sink = check_tensor("attn_sink", attn_sink, dtype=torch.float32, ndim=1, device=device)
+        if sink.shape[0] != H:
+            raise ValueError(f"attn_sink must have {H} entries (one per head), got {sink.shape[0]}")
+    check_out("out", out, (T, H, HEAD_DIM), torch.bfloat16, device)
+    check_out("lse", lse, (T, H), torch.float32, device)
+    if out is None:
+        out = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=device)
+    if lse is None:
+        lse = scratch.lse[: T * H].view(T, H)
+    if not use_triton(device):
+        from .reference import decode as ref
+
+        return ref.sparse_mla_decode(
+            q, swa_cache, a_idx, a_lens, scale, swa_block_size=swa_block_size, scratch=scratch,
+            attn_sink=sink, comp_cache=comp_cache, comp_indices=b_idx, comp_lens=b_lens,
+            comp_block_size=comp_block_size, out=out, lse=lse,
+        )  # fmt: skip
+    if T == 0:
+        return out, lse
+    caches = [swa_cache] if comp_cache is None else [swa_cache, comp_cache]
+    aligned = all(c.data_ptr() % 16 == 0 for c in caches) and a_stride % 16 == 0
+    aligned = aligned and b_stride % 16 == 0
+    a_src = (swa_cache, a_idx, a_lens, a_stride, swa_cache.shape[0] * swa_block_size)
+    b_src = None
+    if comp_cache is not None and b_idx is not None:
+        b_src = (comp_cache, b_idx, b_lens, b_stride, comp_cache.shape[0] * (comp_block_size or 1))
+    if splits == 1:  # enough tokens: the per-token kernel, no partials
+        _sm._launch(
+            q, out, lse, sink, a=a_src, a_slots=swa_block_size, a_paged=True, b=b_src,
+            b_slots=comp_block_size or 1, scale=scale, aligned=aligned,
+        )  # fmt: skip
+        return out, lse
+    rows = T * splits
+    po = scratch.partial_out[: rows * H * HEAD_DIM].view(rows, H, HEAD_DIM)
+    plse = scratch.partial_lse[: rows * H].view(rows, H)
+    _launch_split(q, po, plse, a_src, swa_block_size, b_src, comp_block_size or 1, scale,
+                  aligned, splits, chunk)  # fmt: skip
+    _k._decode_combine_kernel[(T * H,)](
+        po, plse, out, lse, sink if sink is not None else plse, H, splits, out.stride(0),
+        out.stride(1), lse.stride(0), HAS_SINK=sink is not None, HEAD_DIM=HEAD_DIM,
+        SPLIT_BLOCK=min(DECODE_TILES["COMBINE_SPLITS"], triton.next_power_of_2(splits)),
+        num_warps=4,
+    )  # fmt: skip
+    return out, lse
+
+
+_GLUON_BROKEN: list[str] = []
+
+
+def wgmma_decode_runs(q: torch.Tensor, aligned: bool) -> bool:
+    """Whether the Gluon wgmma split kernel takes a call with these queries."""
+    if q.shape[1] > 16 or not aligned or _GLUON_BROKEN:
+        return False
+    return _sm._hopper_runs_wgmma(q.device)
+
+
+def _launch_split(
+    q: torch.Tensor,
+    po: torch.Tensor,
+    plse: torch.Tensor,
+    a: _sm._Src,
+    a_slots: int,
+    b: _sm._Src | None,
+    b_slots: int,
+    scale: float,
+    aligned: bool,
+    splits: int,
+    chunk: int,
+) -> None:
+    T, H, _ = q.shape
+    a_src, a_idx, a_lens, a_stride, a_rows = a
+    b_src, b_idx, b_lens, b_stride, b_rows = b if b is not None else (a_src, a_idx, None, 0, 0)
+    args = (
+        q, po, plse, a_src, a_idx, a_lens if a_lens is not None else a_idx, b_src, b_idx,
+        b_lens if b_lens is not None else b_idx, T, H, splits, chunk, a_idx.stride(0),
+        a_idx.shape[1], a_stride, a_rows, b_idx.stride(0), b_idx.shape[1] if b is not None else 0,
+        b_stride, b_rows, q.stride(0), q.stride(1), scale * _sm._LOG2E,
+    )  # fmt: skip
+    sources = dict(
+        A_SLOTS=a_slots,
+        A_HAS_LENS=a_lens is not None,
+        HAS_B=b is not None,
+        B_SLOTS=b_slots,
+        B_HAS_LENS=b_lens is not None,
+    )
+    tiles = _sm.TILES["small" if H <= _sm.SMALL_HEADS else "large"]
+    if wgmma_decode_runs(q, aligned):
+        from . import _gluon_decode as g
+
+        hp = 8 if H <= 8 else 16
+        nreg = tiles.get("MAXNREG_H8") if hp == 8 else None
+        try:
+            g._decode_split_wgmma_kernel[(T * splits,)](
+                *args, **sources, DATA_BYTES=_sm.TOKEN_DATA_BYTES, SCALE_BYTES=_sm.TOKEN_SCALE_BYTES,
+                HT=hp, ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
+                REG_A=bool(tiles.get("REG_A_H8", 0)) and hp == 8,
+                IO_VEC=_sm._whole_vectors(q, q), num_warps=4,
+                **({"maxnreg": nreg} if nreg else {}),
+            )  # fmt: skip
+            return
+        except Exception as exc:
+            if g.compiled_variants():
+                raise
+            _GLUON_BROKEN.append(f"{type(exc).__name__}: {exc}"[:400])
+            warnings.warn(
+                f"dsv4_kernels: the Gluon wgmma decode kernel did not build with Triton "
+                f"{triton.__version__} ({_GLUON_BROKEN[0]}); the Triton kernel runs instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+    block_h = _sm._block_h(H, tiles["MAX_BLOCK_H"])
+    head_blocks = triton.cdiv(H, block_h)
+    _k._decode_split_kernel[(T * splits * head_blocks,)](
+        *args, **sources, ALIGNED=aligned, **_sm._LAYOUT, HEAD_BLOCKS=head_blocks,
+        BLOCK_H=block_h, BLOCK_N=tiles["BLOCK_N"], DOT_FP32=interpreter_enabled(),
+        PREFETCH=bool(tiles["PREFETCH"]), BF16_DEQUANT=bool(tiles["BF16_DEQUANT"])
+        and not interpreter_enabled(), num_warps=tiles["NUM_WARPS"],
+        num_stages=tiles["NUM_STAGES"],
+    )  # fmt: skip
