@@ -169,8 +169,14 @@ def build_cases(
         reqs = shape.tokens // shape.per_request
         topk = shape.topk if shape.layer == "c4a" else 512
         sets = [
-            td.decode_rows(pool, [context] * reqs, shape.per_request, generator=g, topk=topk,
-                           comp_width=C128A_WIDTH if gpu else None)  # fmt: skip
+            td.decode_rows(
+                pool,
+                [context] * reqs,
+                shape.per_request,
+                generator=g,
+                topk=topk,
+                comp_width=C128A_WIDTH if gpu else None,
+            )
             for _ in range(rotate)
         ]
         case = td.DecodeCase(
@@ -200,9 +206,10 @@ def build_cases(
             l.fill_(float("nan"))
 
         def check(o: torch.Tensor = out, l: torch.Tensor = lse, w: Any = want,
-                  s: torch.Tensor = sample, n: str = shape.name) -> None:  # fmt: skip
+                  s: torch.Tensor = sample, n: str = shape.name,
+                  sd: int = seed) -> None:  # fmt: skip
             assert not torch.isnan(o.float()).any(), f"{n}: unwritten (NaN) output elements"
-            _assert_close((o[s], l[s]), w, f"ours {n} (seed {seed})")
+            _assert_close((o[s], l[s]), w, f"ours {n} (seed {sd})")
 
         replay = _graph([lambda r=r: ours_call(r) for r in sets], device)
         providers = [Provider(OURS, replay, poison, check)]
@@ -213,9 +220,9 @@ def build_cases(
             )  # fmt: skip
 
             def fm_check(f: Any = fm, w: Any = want, s: torch.Tensor = sample,
-                         n: str = shape.name) -> None:  # fmt: skip
+                         n: str = shape.name, sd: int = seed) -> None:  # fmt: skip
                 o, l = f.outputs()
-                _assert_close((o[s], l[s]), w, f"FlashMLA {n} (seed {seed})")
+                _assert_close((o[s], l[s]), w, f"FlashMLA {n} (seed {sd})")
 
             def fm_poison(f: Any = fm) -> None:
                 if f.result:
@@ -226,16 +233,33 @@ def build_cases(
         keys = last.swa_lens.long() + (0 if last.comp_lens is None else last.comp_lens.long())
         floor_bytes = int(keys.sum()) * (584 + 4) + T * H * (1024 + 1024 + 4)
         splits = dk.decode.decode_splits(
-            T, H, 128, 0 if last.comp_indices is None else last.comp_indices.shape[1],
+            T,
+            H,
+            128,
+            0 if last.comp_indices is None else last.comp_indices.shape[1],
             dk.decode.num_sms(device),
         )
         cases.append(
-            BenchCase(KERNEL, shape.name, T, floor_bytes, providers, {
-                "layer": shape.layer, "model": shape.model, "heads": H, "tokens": T,
-                "per_request": shape.per_request, "keys_mean": float(keys.float().mean()),
-                "calls_per_graph": rotate, "splits": splits[0], "chunk": splits[1],
-                "seed": seed, "graph": gpu,
-            })  # fmt: skip
+            BenchCase(
+                KERNEL,
+                shape.name,
+                T,
+                floor_bytes,
+                providers,
+                {
+                    "layer": shape.layer,
+                    "model": shape.model,
+                    "heads": H,
+                    "tokens": T,
+                    "per_request": shape.per_request,
+                    "keys_mean": float(keys.float().mean()),
+                    "calls_per_graph": rotate,
+                    "splits": splits[0],
+                    "chunk": splits[1],
+                    "seed": seed,
+                    "graph": gpu,
+                },
+            )
         )
     return cases
 

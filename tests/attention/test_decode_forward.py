@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.kernels._decode_oracle import oracle
 
 from dsv4_attention.decode import forward_decode, make_decode_scratch
 from dsv4_kernels.testing import decode as td
 from dsv4_kernels.testing.common import fresh_seed
-from tests.kernels._decode_oracle import oracle
 
 SCALE = 512**-0.5
 

@@ -21,7 +21,6 @@ def oracle(
     """``(out, lse)`` in float64 on q's device; sources are (values [slots, 512],
     indices [T, K], lens [T] or None).  A key counts where its column is below the
     length and its index is in ``[0, slots)``."""
-    T, H, _ = q.shape
     keys, masks = [], []
     for values, idx, lens in sources:
         n = idx.shape[1]

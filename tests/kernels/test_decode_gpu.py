@@ -34,9 +34,19 @@ def _case(layer: str, tokens: int, per_request: int, heads: int, gpu: torch.devi
           **options: object) -> td.DecodeCase:  # fmt: skip
     g = torch.Generator(device=gpu).manual_seed(fresh_seed())
     topk = 1024 if heads == 16 else 512
-    return td.make_decode_case(layer, tokens // per_request, per_request, heads, context=CONTEXT,
-                               generator=g, device=gpu, pools=_pools(layer, gpu), topk=topk,
-                               comp_width=CONTEXT // 128, **options)  # type: ignore[arg-type]
+    return td.make_decode_case(
+        layer,
+        tokens // per_request,
+        per_request,
+        heads,
+        context=CONTEXT,
+        generator=g,
+        device=gpu,
+        pools=_pools(layer, gpu),
+        topk=topk,
+        comp_width=CONTEXT // 128,
+        **options,
+    )  # type: ignore[arg-type]
 
 
 _SCRATCH: dict[str, dk.DecodeScratch] = {}

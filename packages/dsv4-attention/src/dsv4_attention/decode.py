@@ -30,9 +30,9 @@ e.g. in the profile run).  Whether to call it at all for a step is
 from __future__ import annotations
 
 import torch
-from dsv4_kernels import DecodeScratch, DecodeScratchSizes, decode_scratch_sizes
+
+from dsv4_kernels import DecodeScratch, DecodeScratchSizes, decode_scratch_sizes, sparse_mla_decode
 from dsv4_kernels import make_decode_scratch as _make
-from dsv4_kernels import sparse_mla_decode
 
 __all__ = ["DecodeScratch", "decode_scratch_sizes", "forward_decode", "make_decode_scratch"]
 

@@ -124,7 +124,7 @@ def _decode_split_wgmma_kernel(
             SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
         )  # fmt: skip
 
-    ts, hs, row_ok = _rows(t, t + 1, num_heads, HP, HT, gl.SliceLayout(0, L_MMA))
+    _ts, hs, row_ok = _rows(t, t + 1, num_heads, HP, HT, gl.SliceLayout(0, L_MMA))
     has_key = l_i > 0.0
     l_safe = gl.where(has_key, l_i, 1.0)
     lse2 = gl.where(has_key, m_i + gl.log2(l_safe), float("-inf"))
@@ -133,7 +133,7 @@ def _decode_split_wgmma_kernel(
     gl.store(plse_ptr + prow + hs, lse2, mask=row_ok)
     o = gl.convert_layout(acc * gl.expand_dims(factor, 0), L_OUT)
     do = gl.arange(0, D, layout=gl.SliceLayout(1, L_OUT))
-    to, ho, o_ok = _rows(t, t + 1, num_heads, HP, HT, gl.SliceLayout(0, L_OUT))
+    _to, ho, o_ok = _rows(t, t + 1, num_heads, HP, HT, gl.SliceLayout(0, L_OUT))
     o_row = (prow + ho.to(gl.int64)) * D
     gl.store(
         po_ptr + gl.expand_dims(o_row, 0) + gl.expand_dims(do, 1),

@@ -35,8 +35,13 @@ import triton
 
 from . import _triton_decode as _k
 from . import sparse_mla as _sm
-from ._validation import check_out, check_positive_int, check_tensor, interpreter_enabled
-from ._validation import use_triton
+from ._validation import (
+    check_out,
+    check_positive_int,
+    check_tensor,
+    interpreter_enabled,
+    use_triton,
+)
 from .geometry import HEAD_DIM
 
 __all__ = [
@@ -56,8 +61,9 @@ __all__ = [
 # holds, the per-token kernel once ``NOSPLIT_DIV * tokens`` reaches that target,
 # rows of at most ``SHORT_TILES`` tiles (SWA-only layers) unsplit once their tiles
 # reach ``SHORT_NOSPLIT_PCT`` percent of the target (run 2 of the decode sweep: the
-# combine costs more than half of a two-tile row saves), the multiprocessor count assumed where there is no GPU, and the most partials
-# the combine merges per step (one step for up to 32 chunks).
+# combine costs more than half of a two-tile row saves), the multiprocessor count
+# assumed where there is no GPU, and the most partials the combine merges per step
+# (one step for up to 32 chunks).
 DECODE_TILES: dict[str, int] = dict(
     TILE_KEYS=64,
     PROGRAMS_PER_SM_H8=3,
@@ -104,7 +110,8 @@ def decode_splits(
     target = max(1, sms * per_sm)
     if num_tokens <= 0 or cfg["NOSPLIT_DIV"] * num_tokens >= target or tiles <= 1:
         return 1, max(width, 1)
-    if tiles <= cfg["SHORT_TILES"] and 100 * tiles * num_tokens >= cfg["SHORT_NOSPLIT_PCT"] * target:
+    short = tiles <= cfg["SHORT_TILES"]
+    if short and 100 * tiles * num_tokens >= cfg["SHORT_NOSPLIT_PCT"] * target:
         return 1, max(width, 1)
     per_split = max(cfg["MIN_TILES_PER_SPLIT"], -(-tiles * num_tokens // target))
     splits = -(-tiles // per_split)
@@ -151,8 +158,8 @@ def decode_scratch_sizes(
     """The scratch a decode batch of up to ``max_tokens`` tokens, ``max_heads`` heads
     and ``max_keys`` columns per token (``window + compressed width``: 640 for
     V4-Flash C4A, ``128 + vLLM's C128A width`` for C128A) needs on ``device``
-    (its multiprocessor count sets the splits; ``sms`` overrides it).  Every batch at most that large
-    fits, whatever its split of columns between the two sources."""
+    (its multiprocessor count sets the splits; ``sms`` overrides it).  Every batch at
+    most that large fits, whatever its split of columns between the two sources."""
     check_positive_int("max_tokens", max_tokens)
     check_positive_int("max_heads", max_heads)
     check_positive_int("max_keys", max_keys)
@@ -376,8 +383,8 @@ def _launch_split(
         nreg = tiles.get("MAXNREG_H8") if hp == 8 else None
         try:
             g._decode_split_wgmma_kernel[(T * splits,)](
-                *args, **sources, DATA_BYTES=_sm.TOKEN_DATA_BYTES, SCALE_BYTES=_sm.TOKEN_SCALE_BYTES,
-                HT=hp, ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
+                *args, **sources, DATA_BYTES=_sm.TOKEN_DATA_BYTES,
+                SCALE_BYTES=_sm.TOKEN_SCALE_BYTES, HT=hp, ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
                 REG_A=bool(tiles.get("REG_A_H8", 0)) and hp == 8,
                 IO_VEC=_sm._whole_vectors(q, q), num_warps=4,
                 **({"maxnreg": nreg} if nreg else {}),

@@ -95,7 +95,9 @@ class DecodeCase:
     def sources(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """(values, indices, lens) per key source, for a float64 oracle."""
         r = self.rows
-        out = [(self.pools.swa.values, r.swa_indices, r.swa_lens)]
+        out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = [
+            (self.pools.swa.values, r.swa_indices, r.swa_lens)
+        ]
         if self.pools.comp is not None and r.comp_indices is not None:
             out.append((self.pools.comp.values, r.comp_indices, r.comp_lens))
         return out
