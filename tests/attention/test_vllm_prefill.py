@@ -204,6 +204,9 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
         topk_indices_buffer=batch["topk_buffer"],
         max_image_tokens=0,
         max_num_batched_tokens=1024,
+        max_model_len=16384,
+        kv_cache_dtype="fp8_ds_mla",
+        prefix=f"layers.{ratio}.attn",
         PREFILL_CHUNK_SIZE=DeepseekV4Attention.PREFILL_CHUNK_SIZE,
     )
     swa = batch["swa"]

@@ -3,7 +3,9 @@
 The layer specs come from vLLM's own ``get_kv_cache_spec`` methods of the DSV4
 window cache, the compressed (C4A, C128A) attention caches and the C4A
 indexer cache; grouping, block sizing and the per-layer views come from
-``vllm.v1.core.kv_cache_utils`` and ``vllm.v1.worker.utils.allocate_kv_cache``
+vLLM's grouping module (``kv_cache_utils`` in 0.32, ``kv_cache_planning`` in
+0.33: the release facts of ``dsv4_attention.vllm_targets`` say which) and
+``vllm.v1.worker.utils.allocate_kv_cache``
 under one of the block-outer layouts vLLM's DSV4 backends declare; each view
 is then bound the way the layer binds it (``squeeze(1)``).  Nothing here
 spells a stride.
@@ -12,6 +14,7 @@ spells a stride.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import types
 
 import torch
@@ -31,18 +34,24 @@ class CacheView:
     kind: str  # "window", "c4a", "c128a" or "indexer"
     view: torch.Tensor  # [num_blocks, slots, bytes] uint8
     slots: int  # tokens or compressed entries per page
+    group: int = -1  # index of the KV-cache group vLLM put the layer in
 
 
 def vllm_dsv4_caches(
-    layout: str, available_bytes: int = 24 << 20
+    layout: str, available_bytes: int = 24 << 20, ratios: tuple[int, ...] = RATIOS
 ) -> tuple[list[CacheView], torch.Tensor]:
-    """Every layer's cache view, and the one backing buffer vLLM allocated."""
+    """Every layer's cache view (in ``ratios``' layer order, layer ``i`` with compress
+    ratio ``ratios[i]``), and the one backing buffer vLLM allocated."""
     from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
     from vllm.models.deepseek_v4.attention import DeepseekV4Attention, DeepseekV4IndexerCache
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
-    from vllm.v1.core import kv_cache_utils
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from dsv4_attention.vllm_targets import installed_facts
+
+    facts = installed_facts()
+    grouping = importlib.import_module(facts.kv_cache_grouping_module)
+    allocate_kv_cache = importlib.import_module(facts.allocate_kv_cache_module).allocate_kv_cache
 
     cache_config = CacheConfig(block_size=256, cache_dtype="fp8_ds_mla")
     config = VllmConfig(cache_config=cache_config)
@@ -50,7 +59,7 @@ def vllm_dsv4_caches(
     specs = {}
     kinds = {}
     with set_current_vllm_config(config):
-        for i, ratio in enumerate(RATIOS):
+        for i, ratio in enumerate(ratios):
             swa = DeepseekV4SWACache(
                 head_dim=512,
                 window_size=128,
@@ -80,15 +89,18 @@ def vllm_dsv4_caches(
                 )
                 specs[indexer.prefix] = indexer.get_kv_cache_spec(config)
                 kinds[indexer.prefix] = "indexer"
-        groups = kv_cache_utils.get_kv_cache_groups(config, specs)
-        kv_config = kv_cache_utils.get_kv_cache_config_from_groups(config, groups, available_bytes)
+        groups = grouping.get_kv_cache_groups(config, specs)
+        kv_config = grouping.get_kv_cache_config_from_groups(config, groups, available_bytes)
         raw = allocate_kv_cache(kv_config, torch.device("cpu"), KVCacheLayout[layout])
+    group_of = {
+        name: g for g, group in enumerate(kv_config.kv_cache_groups) for name in group.layer_names
+    }
     views = []
     backing = None
     for name, tensor in raw.items():
         bound = tensor.squeeze(1)  # what every DSV4 cache layer's bind_kv_cache keeps
         backing = tensor if backing is None else backing
-        views.append(CacheView(name, kinds[name], bound, bound.shape[1]))
+        views.append(CacheView(name, kinds[name], bound, bound.shape[1], group_of[name]))
     assert backing is not None
     storage = torch.empty(0, dtype=torch.uint8).set_(backing.untyped_storage())
     return views, storage

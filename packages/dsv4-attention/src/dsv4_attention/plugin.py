@@ -67,7 +67,15 @@ class _Refused(Exception):
 
 
 _APPLIED: list[_Patch] = []
-_STATE: dict[str, Any] = {"hook": None, "decided": False}
+_STATE: dict[str, Any] = {"hook": None, "decided": False, "facts": None}
+
+
+def _facts() -> targets.ReleaseFacts:
+    """The facts of the running vLLM's release (register() checked it is supported)."""
+    facts = _STATE["facts"] or targets.facts_for(_vllm_version())
+    if facts is None:
+        raise _Refused(f"unsupported vLLM version (supported: {targets.supported_text()})")
+    return facts
 
 
 def _flag(name: str) -> bool:
@@ -160,7 +168,7 @@ def _remove_hook() -> None:
 
 
 def _check_signature(function: Any, name: str) -> None:
-    expected = targets.SIGNATURES[name]
+    expected = _facts().signatures[name]
     try:
         found = tuple(inspect.signature(function).parameters)
     except (TypeError, ValueError) as exc:
@@ -211,7 +219,7 @@ def _plan() -> tuple[list[_Patch], str]:
             raise _Refused(f"{targets.OPS_MODULE} has no function {name}")
         _check_signature(original, name)
         patches.append(_Patch(ops, name, original, ours[name]))
-        for consumer_name in targets.CONSUMERS[name]:
+        for consumer_name in _facts().consumers[name]:
             consumer = importlib.import_module(consumer_name)
             if getattr(consumer, name, None) is not original:
                 raise _Refused(f"{consumer_name}.{name} is not vLLM's {name}")
@@ -263,6 +271,8 @@ def _attention_patch() -> _Patch:
         raise _Refused("vLLM's DSV4 attention selector or FlashMLA attention class is missing")
     _check_signature(select, "_select_dsv4_attn_cls")
     _check_signature(getattr(base, "_forward_prefill", None), "_forward_prefill")
+    _check_signature(getattr(base, "forward_mqa", None), "forward_mqa")
+    _configure_backend()
     ours = make_head_exact_attention_cls(base)
 
     def _select_dsv4_attn_cls(vllm_config: Any) -> type:
@@ -271,6 +281,35 @@ def _attention_patch() -> _Patch:
 
     _select_dsv4_attn_cls.__wrapped__ = select  # type: ignore[attr-defined]
     return _Patch(model, "_select_dsv4_attn_cls", select, _select_dsv4_attn_cls)
+
+
+def _configure_backend() -> None:
+    """Point the backend at vLLM's forward context, workspace manager and log."""
+    from .vllm_backend import configure_runtime
+
+    facts = _facts()
+    context = importlib.import_module(facts.forward_context_module)
+    workspace = importlib.import_module(facts.workspace_module)
+    for module, name in (
+        (context, "is_forward_context_available"),
+        (context, "get_forward_context"),
+        (workspace, "current_workspace_manager"),
+        (workspace, "is_workspace_manager_initialized"),
+    ):
+        if not callable(getattr(module, name, None)):
+            raise _Refused(f"{module.__name__} has no function {name}")
+
+    def forward_context() -> Any:
+        return context.get_forward_context() if context.is_forward_context_available() else None
+
+    def manager() -> Any:
+        return (
+            workspace.current_workspace_manager()
+            if workspace.is_workspace_manager_initialized()
+            else None
+        )
+
+    configure_runtime(forward_context=forward_context, workspace=manager, log=_logger().info)
 
 
 def _activate_safely() -> None:
@@ -309,7 +348,8 @@ def register() -> None:
             _say_inactive(f"disabled by {ENV_DISABLE}=1", warning=False)
             return
         version = _vllm_version()
-        if not targets.is_supported(version):
+        _STATE["facts"] = targets.facts_for(version)
+        if _STATE["facts"] is None:
             _say_inactive(
                 f"unsupported vLLM version {version} (supported: {targets.supported_text()}); "
                 "nothing patched",
@@ -338,6 +378,7 @@ def unregister() -> None:
             setattr(patch.module, patch.name, patch.original)
     _APPLIED.clear()
     _STATE["decided"] = False
+    _STATE["facts"] = None
 
 
 def patched() -> list[str]:

@@ -49,6 +49,8 @@ from dsv4_kernels import sparse_mla
 from dsv4_kernels.geometry import KV_BLOCK_SIZE, SWA_BLOCK_SIZE, WINDOW_SIZE
 from dsv4_kernels.reference import sparse_mla as ref_attention
 
+from .scratch import PrefillScratch
+
 __all__ = ["PrefillPlan", "forward_prefill", "reference_forward_prefill"]
 
 LAYER_RATIOS = (1, 4, 128)  # SWA-only, C4A, C128A
@@ -81,6 +83,11 @@ class PrefillPlan:
             (batches with images take vLLM's own prefill).
         check_values: check value-dependent facts on CUDA tensors too (reads
             them back; CPU tensors are always checked).
+        scratch: preallocated buffers (:class:`~dsv4_attention.scratch.PrefillScratch`)
+            that every row of the step is built into, so the step allocates nothing;
+            a step that needs more raises
+            :class:`~dsv4_attention.scratch.ScratchTooSmall`.  None: the rows are
+            allocated by torch.
     """
 
     def __init__(
@@ -93,6 +100,7 @@ class PrefillPlan:
         left_visible: torch.Tensor | None = None,
         right_visible: torch.Tensor | None = None,
         check_values: bool = False,
+        scratch: PrefillScratch | None = None,
     ) -> None:
         if left_visible is not None or right_visible is not None:
             raise ValueError(
@@ -111,6 +119,53 @@ class PrefillPlan:
         # grouped rows: (the block table, to keep it alive; the rows built with it)
         self._grouped: dict[tuple[Any, ...], tuple[torch.Tensor, Any]] = {}
         self.launches = 0  # index-build launches so far (for tests and logs)
+        self.scratch = scratch
+        self._slots: dict[tuple[Any, ...], int] = {}
+
+    def _slot(self, kind: str, key: tuple[Any, ...], available: int) -> int:
+        """The scratch slot of rows ``key`` (one per distinct table and row shape)."""
+        if key not in self._slots:
+            used = sum(1 for k in self._slots if k[0].endswith(kind))
+            if used >= available:
+                from .scratch import ScratchTooSmall
+
+                raise ScratchTooSmall(
+                    f"the step has more than {available} distinct {kind} row sets"
+                )
+            self._slots[key] = used
+        return self._slots[key]
+
+    def _window_outs(self, key: tuple[Any, ...], group: int) -> dict[str, torch.Tensor]:
+        if self.scratch is None:
+            return {}
+        slot = self._slot("window", key, self.scratch.spec.window_slots)
+        T, take = self.num_tokens, self.scratch.take
+        outs = {
+            "window_out": take(f"window{slot}", (T, self.window_size + group - 1)),
+            "window_lens_out": take(f"window{slot}_lens", (T,)),
+        }
+        if group > 1:
+            outs["leads_out"] = take(f"window{slot}_leads", (T,))
+            outs["starts_out"] = take(f"window{slot}_starts", (T,))
+        return outs
+
+    def _comp_outs(
+        self, ratio: int, key: tuple[Any, ...] | None, width: int, group: int = 1
+    ) -> dict[str, torch.Tensor]:
+        if self.scratch is None:
+            return {}
+        T, take = self.num_tokens, self.scratch.take
+        if ratio == 4:
+            return {"comp_out": take("c4a", (T, width)), "comp_lens_out": take("c4a_lens", (T,))}
+        assert key is not None
+        slot = self._slot("c128a", key, self.scratch.spec.c128a_slots)
+        outs = {
+            "comp_out": take(f"c128a{slot}", (T, width)),
+            "comp_lens_out": take(f"c128a{slot}_lens", (T,)),
+        }
+        if group > 1:  # a grouped build writes each token's leader too
+            outs["leads_out"] = take(f"c128a{slot}_leads", (T,))
+        return outs
 
     def _build(self, **kwargs: Any) -> dk.PrefillIndices:
         self.launches += 1
@@ -171,7 +226,15 @@ class PrefillPlan:
 
         need_comp = compress_ratio == 4 or (compress_ratio == 128 and comp is None)
         if window is None or need_comp:
+            outs = self._window_outs(wkey, 1) if window is None else {}
+            if need_comp:
+                width = c128a_topk if compress_ratio == 128 else None
+                if width is None:
+                    assert topk_indices is not None
+                    width = int(topk_indices.shape[1])
+                outs.update(self._comp_outs(compress_ratio, ckey, width))
             built = self._build(
+                **outs,
                 window_block_table=window_block_table if window is None else None,
                 window_block_size=window_block_size,
                 compress_ratio=compress_ratio if need_comp else None,
@@ -215,10 +278,15 @@ class PrefillPlan:
         window = self._grouped.get(wkey)
         comp = self._grouped.get(ckey) if ckey is not None else None
         if window is None or (ckey is not None and comp is None):
+            outs = self._window_outs(wkey, group_size) if window is None else {}
+            if ckey is not None and comp is None:
+                assert c128a_topk is not None
+                outs.update(self._comp_outs(128, ckey, c128a_topk, group_size))
             self.launches += 1
             built = dk.build_grouped_prefill_indices(
                 self.query_start_loc,
                 self.seq_lens,
+                **outs,
                 num_tokens=self.num_tokens,
                 group_size=group_size,
                 window_block_table=window_block_table if window is None else None,
@@ -404,6 +472,8 @@ def forward_prefill(
     grouped: dict[str, Any] = {}
     if isinstance(rows, dk.GroupedPrefillIndices):
         grouped = dict(leads=rows.leads, group_size=rows.group_size, swa_starts=rows.window_starts)
+    if lse is None and plan.scratch is not None:
+        lse = plan.scratch.take("lse", (T, q.shape[1]))
     result, _ = dk.sparse_mla_paged(
         q[:T],
         swa_cache,

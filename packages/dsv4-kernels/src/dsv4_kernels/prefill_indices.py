@@ -238,6 +238,8 @@ def _build(
     check_values: bool,
     group: int,
     grouped: bool = False,
+    leads_out: torch.Tensor | None = None,
+    starts_out: torch.Tensor | None = None,
 ) -> PrefillIndices | GroupedPrefillIndices:
     """:func:`build_prefill_indices` (``group == 1``) and
     :func:`build_grouped_prefill_indices` (``group > 1``): checks, then one launch."""
@@ -327,6 +329,10 @@ def _build(
     check_out(
         "comp_lens_out", comp_lens_out, (num_tokens,), torch.int32, device, allow_more_rows=True
     )
+    for name, given in (("leads_out", leads_out), ("starts_out", starts_out)):
+        if given is not None and not grouped:
+            raise ValueError(f"{name} is only meaningful for grouped rows")
+        check_out(name, given, (num_tokens,), torch.int32, device, allow_more_rows=True)
     if check_values or device.type == "cpu":
         _check_values(query_start_loc, seq_lens, num_tokens, tables)
 
@@ -344,8 +350,17 @@ def _build(
             topk=topk if mode else None,
         )
         if grouped:
-            return ref.build_grouped_prefill_indices(
+            rows = ref.build_grouped_prefill_indices(
                 query_start_loc, seq_lens, group_size=group, **common
+            )
+            return _copy_into(
+                rows,
+                leads_out if group > 1 else None,
+                window_out,
+                starts_out if group > 1 else None,
+                window_lens_out,
+                comp_out,
+                comp_lens_out,
             )
         return ref.build_prefill_indices(
             query_start_loc,
@@ -371,10 +386,10 @@ def _build(
     if mode:
         comp = alloc(comp_out, (num_tokens, topk))
         comp_lens = alloc(comp_lens_out, (num_tokens,))
-    leads = torch.empty((num_tokens,), dtype=torch.int32, device=device) if group > 1 else None
+    leads = alloc(leads_out, (num_tokens,)) if group > 1 else None
     starts = None
     if group > 1 and has_window:
-        starts = torch.empty((num_tokens,), dtype=torch.int32, device=device)
+        starts = alloc(starts_out, (num_tokens,))
 
     def result() -> PrefillIndices | GroupedPrefillIndices:
         if not grouped:
@@ -431,6 +446,25 @@ def _build(
     return result()
 
 
+def _copy_into(
+    rows: GroupedPrefillIndices, *outs: torch.Tensor | None
+) -> GroupedPrefillIndices:
+    """The reference's grouped rows written into the caller's outputs where given (in
+    field order after ``group_size``: leads, window, window_starts, window_lens, comp,
+    comp_lens), so a caller that passes buffers gets views of its buffers back."""
+    values = [rows.leads, rows.window, rows.window_starts, rows.window_lens, rows.comp]
+    values.append(rows.comp_lens)
+    placed = []
+    for value, out in zip(values, outs, strict=True):
+        if value is None or out is None:
+            placed.append(value)
+            continue
+        view = out[: value.shape[0]]
+        view.copy_(value)
+        placed.append(view)
+    return GroupedPrefillIndices(placed[0], rows.group_size, *placed[1:])  # type: ignore[arg-type]
+
+
 def build_grouped_prefill_indices(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -443,6 +477,12 @@ def build_grouped_prefill_indices(
     comp_block_table: torch.Tensor | None = None,
     comp_block_size: int | None = None,
     topk: int | None = None,
+    window_out: torch.Tensor | None = None,
+    window_lens_out: torch.Tensor | None = None,
+    comp_out: torch.Tensor | None = None,
+    comp_lens_out: torch.Tensor | None = None,
+    leads_out: torch.Tensor | None = None,
+    starts_out: torch.Tensor | None = None,
     check_values: bool = False,
 ) -> GroupedPrefillIndices:
     """Grouped index rows for SWA-only and C128A layers, whose consecutive tokens share keys.
@@ -465,6 +505,11 @@ def build_grouped_prefill_indices(
         group_size: tokens per group (``dsv4_kernels.sparse_mla.prefill_group_size``
             gives the one the kernel takes for a head count on this device).
         topk: the C128A row width (needed with ``comp_block_table``).
+        window_out, window_lens_out, comp_out, comp_lens_out, leads_out, starts_out:
+            optional int32 outputs (``[>= T, W + G - 1]``, ``[>= T]``, ``[>= T,
+            topk]``, ``[>= T]``, ``[>= T]``, ``[>= T]``; their first ``T`` rows are
+            written and returned): with all that apply the call allocates nothing
+            on a GPU (the CPU reference computes and copies in).
 
     Raises:
         ValueError: naming the argument, as :func:`build_prefill_indices`.
@@ -484,10 +529,12 @@ def build_grouped_prefill_indices(
         comp_block_size=comp_block_size,
         topk_indices=None,
         topk=topk,
-        window_out=None,
-        window_lens_out=None,
-        comp_out=None,
-        comp_lens_out=None,
+        window_out=window_out,
+        window_lens_out=window_lens_out,
+        comp_out=comp_out,
+        comp_lens_out=comp_lens_out,
+        leads_out=leads_out,
+        starts_out=starts_out,
         check_values=check_values,
         group=group_size,
         grouped=True,

@@ -1,0 +1,105 @@
+"""Compile the head-exact prefill's kernels before the first request.
+
+vLLM's warm-up knows nothing of our Triton/Gluon kernels, so without this the
+first prefill on each rank pays their compilation.  The plugin's attention
+class calls :func:`warm_up_prefill` from vLLM's profile run (the forward pass
+without metadata that sizes memory), once per device, head count and layer
+type, on a tiny batch of the same dtypes and layout as a real step (index
+rows, then attention over FP8 pages), so the compiled variants are the ones a
+real step launches.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from dsv4_kernels.geometry import (
+    HEAD_DIM,
+    KV_BLOCK_SIZE,
+    SWA_BLOCK_SIZE,
+    TOKEN_BYTES,
+    page_stride_bytes,
+)
+
+from .prefill import PrefillPlan, forward_prefill
+
+__all__ = ["warm_up_prefill"]
+
+# Two requests whose chunks end deep enough to give every row kind some keys; two
+# token counts, so both of Triton's integer specialisations (a multiple of 16 or not)
+# are compiled where a kernel specialises on them.
+_SEQ_LENS = (600, 90)
+_QUERY_LENS = ((12, 4), (9, 4))
+
+
+def _pages(per_page: int) -> int:
+    return sum(-(-s // per_page) for s in _SEQ_LENS)
+
+
+def _cache(pages: int, slots: int, device: torch.device) -> torch.Tensor:
+    """A zeroed ``[pages, slots, 584]`` page view with the layout's page stride."""
+    stride = page_stride_bytes(slots)
+    flat = torch.zeros((pages * stride,), dtype=torch.uint8, device=device)
+    return flat.as_strided((pages, slots, TOKEN_BYTES), (stride, TOKEN_BYTES, 1))
+
+
+def _table(per_page: int, device: torch.device) -> torch.Tensor:
+    cols = max(-(-s // per_page) for s in _SEQ_LENS)
+    table = torch.zeros((len(_SEQ_LENS), cols), dtype=torch.int32)
+    start = 0
+    for r, s in enumerate(_SEQ_LENS):
+        n = -(-s // per_page)
+        table[r, :n] = torch.arange(start, start + n, dtype=torch.int32)
+        start += n
+    return table.to(device)
+
+
+def warm_up_prefill(
+    device: torch.device | str, heads: int, compress_ratio: int, topk: int = 512
+) -> float:
+    """Run one layer's head-exact prefill on a tiny batch; seconds it took (the compile).
+
+    Args:
+        device: where the kernels run (the layer's device).
+        heads: the layer's local query heads.
+        compress_ratio: 1 (SWA-only), 4 (C4A) or 128 (C128A).
+        topk: C4A: the indexer's top-k width (the layer's top-k buffer's).
+    """
+    device = torch.device(device)
+    began = time.perf_counter()
+    swa_cache = _cache(_pages(SWA_BLOCK_SIZE), SWA_BLOCK_SIZE, device)
+    comp: dict[str, object] = {}
+    if compress_ratio > 1:
+        per_page = KV_BLOCK_SIZE // compress_ratio
+        comp = {
+            "comp_cache": _cache(_pages(KV_BLOCK_SIZE), per_page, device),
+            "comp_block_table": _table(KV_BLOCK_SIZE, device),
+            "comp_block_size": per_page,
+        }
+    for query_lens in _QUERY_LENS:
+        tokens = sum(query_lens)
+        qsl = torch.tensor([0, query_lens[0], tokens], dtype=torch.int32, device=device)
+        seq = torch.tensor(_SEQ_LENS, dtype=torch.int32, device=device)
+        layer = dict(comp)
+        if compress_ratio == 4:
+            topk_rows = torch.full((tokens, topk), -1, dtype=torch.int32, device=device)
+            topk_rows[:, :8] = torch.arange(8, dtype=torch.int32, device=device)
+            layer["topk_indices"] = topk_rows
+        elif compress_ratio == 128:
+            layer["c128a_topk"] = 128
+        q = torch.zeros((tokens, heads, HEAD_DIM), dtype=torch.bfloat16, device=device)
+        forward_prefill(
+            q,
+            PrefillPlan(qsl, seq, num_tokens=tokens),
+            compress_ratio=compress_ratio,
+            scale=HEAD_DIM**-0.5,
+            swa_cache=swa_cache,
+            swa_block_table=_table(SWA_BLOCK_SIZE, device),
+            attn_sink=torch.zeros((heads,), dtype=torch.float32, device=device),
+            **layer,  # type: ignore[arg-type]
+        )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - began
