@@ -272,6 +272,7 @@ def _attention_patch() -> _Patch:
     _check_signature(select, "_select_dsv4_attn_cls")
     _check_signature(getattr(base, "_forward_prefill", None), "_forward_prefill")
     _check_signature(getattr(base, "forward_mqa", None), "forward_mqa")
+    _check_signature(getattr(base, "_forward_decode", None), "_forward_decode")
     _configure_backend()
     ours = make_head_exact_attention_cls(base)
 

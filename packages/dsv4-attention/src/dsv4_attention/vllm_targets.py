@@ -84,6 +84,15 @@ _SIGNATURES: dict[str, tuple[str, ...]] = {
         "swa_metadata",
     ),
     "forward_mqa": ("self", "q", "kv", "positions", "output"),
+    "_forward_decode": (
+        "self",
+        "q",
+        "kv_cache",
+        "swa_metadata",
+        "attn_metadata",
+        "swa_only",
+        "output",
+    ),
 }
 
 # Modules that import an ops function by name (``from ... import name``) and

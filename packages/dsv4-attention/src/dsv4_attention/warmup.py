@@ -25,7 +25,11 @@ from dsv4_kernels.geometry import (
 
 from .prefill import PrefillPlan, forward_prefill
 
-__all__ = ["warm_up_prefill"]
+__all__ = ["warm_up_decode", "warm_up_prefill"]
+
+# Decode batch sizes compiled before vLLM captures its graphs: split over keys (few
+# tokens), and one program per token (many).
+_DECODE_TOKENS = (1, 24, 512)
 
 # Two requests whose chunks end deep enough to give every row kind some keys; two
 # token counts, so both of Triton's integer specialisations (a multiple of 16 or not)
@@ -99,6 +103,59 @@ def warm_up_prefill(
             swa_block_table=_table(SWA_BLOCK_SIZE, device),
             attn_sink=torch.zeros((heads,), dtype=torch.float32, device=device),
             **layer,  # type: ignore[arg-type]
+        )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - began
+
+
+def warm_up_decode(
+    device: torch.device | str, heads: int, compress_ratio: int, max_keys: int, scratch: object
+) -> float:
+    """Run one layer's head-exact decode on a few batch sizes; seconds it took.
+
+    Args:
+        device: the layer's device.
+        heads: local query heads.
+        compress_ratio: 1, 4 or 128.
+        max_keys: most columns per token (window + compressed width).
+        scratch: the decode scratch the real calls use (its views are reused).
+    """
+    from .decode import forward_decode
+
+    device = torch.device(device)
+    began = time.perf_counter()
+    swa_cache = _cache(4, SWA_BLOCK_SIZE, device)
+    width = max(0, max_keys - 128)
+    comp_cache = None
+    if compress_ratio > 1:
+        comp_cache = _cache(4, KV_BLOCK_SIZE // compress_ratio, device)
+    for tokens in _DECODE_TOKENS:
+        window = torch.arange(128, dtype=torch.int32, device=device).repeat(tokens, 1)
+        lens = torch.full((tokens,), 128, dtype=torch.int32, device=device)
+        comp: dict[str, object] = {}
+        if comp_cache is not None:
+            entries = comp_cache.shape[0] * comp_cache.shape[1]
+            rows = torch.full((tokens, width), -1, dtype=torch.int32, device=device)
+            rows[:, : min(width, entries)] = torch.arange(min(width, entries), device=device)
+            comp = {
+                "comp_cache": comp_cache,
+                "comp_indices": rows,
+                "comp_lens": torch.full(
+                    (tokens,), min(width, entries), dtype=torch.int32, device=device
+                ),
+            }
+        q = torch.zeros((tokens, heads, HEAD_DIM), dtype=torch.bfloat16, device=device)
+        forward_decode(
+            q,
+            swa_cache,
+            window,
+            lens,
+            torch.zeros((heads,), dtype=torch.float32, device=device),
+            HEAD_DIM**-0.5,
+            torch.empty_like(q),
+            scratch,  # type: ignore[arg-type]
+            **comp,  # type: ignore[arg-type]
         )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
