@@ -199,8 +199,11 @@ report["same_signature"] = all(
     list(inspect.signature(v._forward_prefill).parameters)
     == list(inspect.signature(base._forward_prefill).parameters)
     for k, v in chosen.items() if "FLASHINFER" not in k)
-report["decode_is_vllms"] = all(
-    v._forward_decode is base._forward_decode for k, v in chosen.items() if "FLASHINFER" not in k)
+report["decode_overridden"] = all(
+    v._forward_decode is not base._forward_decode
+    and list(inspect.signature(v._forward_decode).parameters)
+    == list(inspect.signature(base._forward_decode).parameters)
+    for k, v in chosen.items() if "FLASHINFER" not in k)
 """
 
 
@@ -215,7 +218,7 @@ def test_selector_returns_our_subclass_under_cuda() -> None:
     assert names["AttentionBackendEnum.FLASHINFER_MLA_SPARSE_DSV4"] != (
         "Dsv4HeadExactFlashMLAAttention"
     )
-    assert report["subclass"] and report["same_signature"] and report["decode_is_vllms"]
+    assert report["subclass"] and report["same_signature"] and report["decode_overridden"]
 
 
 @pytest.mark.parametrize(
@@ -225,8 +228,9 @@ def test_selector_returns_our_subclass_under_cuda() -> None:
         ({"DSV4_PREFILL_DISABLE": "1"}, ""),
         ({"DSV4_PREFILL_MAX_HEADS": "0"}, ""),
         ({}, "vllm.__version__ = '0.31.0'"),
+        ({}, "vllm.__version__ = '0.34.0'"),
     ],
-    ids=["off-switch", "prefill-switch", "max-heads-0", "version-gate"],
+    ids=["off-switch", "prefill-switch", "max-heads-0", "version-gate-0.31", "version-gate-0.34"],
 )
 def test_switches_and_gate_keep_vllms_class(env: dict[str, str], before: str) -> None:
     report, _ = run_script(SELECT, before=before, DSV4_KERNELS_FORCE="1", **env)
@@ -234,3 +238,61 @@ def test_switches_and_gate_keep_vllms_class(env: dict[str, str], before: str) ->
         "DeepseekV4FlashMLAAttention",
         "DeepseekV4FlashInferMLAAttention",
     }
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0"])
+def test_neighbouring_releases_stay_off_and_name_the_supported_ones(version: str) -> None:
+    report, output = run_script(
+        IMPORT_DSV4, before=f"vllm.__version__ = {version!r}", DSV4_KERNELS_FORCE="1"
+    )
+    assert report["patched"] == []
+    lines = plugin_lines(output)
+    assert [(m.group(1), m.group(2)) for m in lines] == [("inactive", version)], output
+    assert "supported: 0.32.x, 0.33.x" in lines[0].string
+
+
+UNTOUCHED = """
+import importlib, importlib.util, types
+from dsv4_attention.vllm_targets import installed_facts
+from vllm.platforms.interface import DeviceCapability
+from vllm.config import VllmConfig
+import vllm.models.deepseek_v4  # the plugin activates here
+facts = installed_facts()
+report["release"] = list(facts.release)
+report["untouched"] = list(facts.untouched_models)
+report["v41_present"] = importlib.util.find_spec("vllm.models.deepseek_v41") is not None
+report["patched_any_untouched"] = [
+    p for p in plugin.patched() for m in facts.untouched_models if p.startswith(m)]
+report["v41"] = {}
+for package in facts.untouched_models:
+    ops = importlib.import_module(package + ".common.ops.cache_utils")
+    flashmla = importlib.import_module(package + ".nvidia.flashmla")
+    model = importlib.import_module(package + ".nvidia.model")
+    model.current_platform = types.SimpleNamespace(
+        get_device_capability=lambda device_id=0: DeviceCapability(9, 0), is_cuda=lambda: True)
+    chosen = model._select_dsv4_attn_cls(VllmConfig())
+    report["v41"][package] = {
+        "ops_are_vllms": all(
+            getattr(flashmla, n) is getattr(ops, n) and getattr(ops, n).__module__ == ops.__name__
+            for n in ("combine_topk_swa_indices", "dequantize_and_gather_k_cache",
+                      "compute_global_topk_indices_and_lens")),
+        "select_is_vllms": model._select_dsv4_attn_cls.__module__ == model.__name__,
+        "chosen": chosen.__module__ + "." + chosen.__name__,
+    }
+report["patched"] = plugin.patched()
+"""
+
+
+def test_dsv4_relatives_are_never_routed_to_our_kernels() -> None:
+    """DeepSeek-V4.1 (vLLM 0.33) has its own attention classes, ops and cache layout: with
+    the plugin active, its modules hold vLLM's functions and its selector picks vLLM's
+    class (faked Hopper), while V4's are ours."""
+    report, output = run_script(UNTOUCHED, DSV4_KERNELS_FORCE="1")
+    assert report["patched"], output  # the plugin is active on V4
+    assert report["patched_any_untouched"] == []
+    if tuple(report["release"]) >= (0, 33):
+        assert report["untouched"] == ["vllm.models.deepseek_v41"]
+    assert report["v41_present"] == bool(report["untouched"])
+    for package, found in report["v41"].items():
+        assert found["ops_are_vllms"] and found["select_is_vllms"], found
+        assert found["chosen"] == f"{package}.nvidia.flashmla.DeepseekV4FlashMLAAttention"
