@@ -27,18 +27,22 @@ LAYERS = {"swa": 1, "c4a": 4, "c128a": 128}
 
 def _child(heads: int, warm: bool) -> dict[str, float]:
     import torch
+    from tests.attention._prefill_scenario import Scenario, StepRequest
+    from tests.attention.test_prefill_forward import layer_kwargs
 
     from dsv4_attention.prefill import PrefillPlan, forward_prefill
     from dsv4_attention.warmup import warm_up_prefill
     from dsv4_kernels.testing.sparse_mla import random_q
-    from tests.attention._prefill_scenario import Scenario, StepRequest
-    from tests.attention.test_prefill_forward import layer_kwargs
 
     gpu = torch.device("cuda")
     torch.zeros(1, device=gpu)  # CUDA context outside the timings
     sc = Scenario(
         [[StepRequest("a", 9000, 1000), StepRequest("b", 0, 333)]],
-        heads=heads, topk=512, c128a_topk=128, seed=1, device=gpu,
+        heads=heads,
+        topk=512,
+        c128a_topk=128,
+        seed=1,
+        device=gpu,
     )
     inputs = sc.prepare_step(0)
     q = random_q(inputs.num_tokens, heads, generator=sc.g, device="cpu").to(gpu)
@@ -108,10 +112,24 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as cache:
                 env = {**os.environ, "TRITON_CACHE_DIR": cache}
                 done = subprocess.run(
-                    [sys.executable, "-m", "benchmarks.exp_warmup", "--child", str(heads), str(warm)],
-                    env=env, capture_output=True, text=True, check=True,
+                    [
+                        sys.executable,
+                        "-m",
+                        "benchmarks.exp_warmup",
+                        "--child",
+                        str(heads),
+                        str(warm),
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
                 )
-            row = {"heads": heads, "warm": bool(warm), **json.loads(done.stdout.strip().splitlines()[-1])}
+            row = {
+                "heads": heads,
+                "warm": bool(warm),
+                **json.loads(done.stdout.strip().splitlines()[-1]),
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

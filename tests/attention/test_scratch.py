@@ -81,7 +81,9 @@ def test_plan_builds_into_the_scratch_and_matches_the_reference(
 
     monkeypatch.setattr(sparse_mla, "prefill_group_size", lambda q: group)
     steps = [[StepRequest("a", 300, 9), StepRequest("b", 0, 7)]]
-    sc = Scenario(steps, heads=4, topk=64, c128a_topk=8, seed=fresh_seed(), device=torch.device("cpu"))
+    sc = Scenario(
+        steps, heads=4, topk=64, c128a_topk=8, seed=fresh_seed(), device=torch.device("cpu")
+    )
     inputs = sc.prepare_step(0)
     spec = ScratchSpec(
         max_tokens=inputs.num_tokens + 3, max_heads=4, max_group=4, c4a_topk=64, c128a_width=8
@@ -112,7 +114,9 @@ def test_plan_builds_into_the_scratch_and_matches_the_reference(
 
 def test_plan_refuses_more_row_sets_than_reserved() -> None:
     steps = [[StepRequest("a", 100, 5)]]
-    sc = Scenario(steps, heads=2, topk=64, c128a_topk=8, seed=fresh_seed(), device=torch.device("cpu"))
+    sc = Scenario(
+        steps, heads=2, topk=64, c128a_topk=8, seed=fresh_seed(), device=torch.device("cpu")
+    )
     inputs = sc.prepare_step(0)
     scratch = PrefillScratch(
         ScratchSpec(max_tokens=inputs.num_tokens, max_heads=2, c4a_topk=64, window_slots=1)

@@ -45,10 +45,17 @@ def test_step_with_scratch_allocates_nothing_gpu(heads: int) -> None:
     layers = ("swa", "c4a", "c128a")
     for s, inputs in enumerate(steps):
         q = random_q(inputs.num_tokens, heads, generator=sc.g, device="cpu").to(gpu)
-        outs = {n: torch.full((inputs.num_tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device=gpu) for n in layers}
+        outs = {
+            n: torch.full(
+                (inputs.num_tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device=gpu
+            )
+            for n in layers
+        }
         want = {}
         for layer in layers:  # without scratch first (compiles; allocates)
-            plan = PrefillPlan(inputs.query_start_loc, inputs.seq_lens, num_tokens=inputs.num_tokens)
+            plan = PrefillPlan(
+                inputs.query_start_loc, inputs.seq_lens, num_tokens=inputs.num_tokens
+            )
             want[layer] = forward_prefill(q, plan, **layer_kwargs(sc, layer, inputs))
         torch.cuda.synchronize()
         plan = PrefillPlan(

@@ -235,9 +235,7 @@ def test_dispatch_follows_the_table_and_the_switch(
     model = Model(g, ratios=(1, 1))
     layer = model.layers[0]
     layer.swa_cache_layer = types.SimpleNamespace(kv_cache=layer.swa_view.view)
-    slower = [
-        t for t in range(1, 300) if not decode_table.use_head_exact_decode(1, 16, t)
-    ]
+    slower = [t for t in range(1, 300) if not decode_table.use_head_exact_decode(1, 16, t)]
     assert slower, "the table takes every SWA step at 16 heads: pick another case"
     layer.n_local_heads = 16
     T = slower[0]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PrefillScratch", "ScratchTooSmall", "ScratchSpec", "prefill_scratch_sizes"]
+__all__ = ["PrefillScratch", "ScratchSpec", "ScratchTooSmall", "prefill_scratch_sizes"]
 
 
 class ScratchTooSmall(RuntimeError):
@@ -63,9 +63,7 @@ class ScratchSpec:
 
     def merged(self, other: ScratchSpec) -> ScratchSpec:
         """The spec that covers both (elementwise maximum)."""
-        return ScratchSpec(
-            *(max(a, b) for a, b in zip(_fields(self), _fields(other), strict=True))
-        )
+        return ScratchSpec(*(max(a, b) for a, b in zip(_fields(self), _fields(other), strict=True)))
 
 
 def _fields(spec: ScratchSpec) -> tuple[int, ...]:
@@ -129,7 +127,8 @@ class PrefillScratch:
                 return torch.empty((n,), dtype=dtype, device=device)
 
         self.buffers: Mapping[str, torch.Tensor] = {
-            name: allocate(name, n, dtype) for name, (n, dtype) in prefill_scratch_sizes(spec).items()
+            name: allocate(name, n, dtype)
+            for name, (n, dtype) in prefill_scratch_sizes(spec).items()
         }
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -458,7 +458,9 @@ def _try_head_exact(
         return False
     ratio = int(layer.compress_ratio)
     comp_slots = None if ratio == 1 else int(attn_metadata.block_size) // ratio
-    if not layout_ok(layer, swa_k_cache, compressed_k_cache, int(swa_metadata.block_size), comp_slots):
+    if not layout_ok(
+        layer, swa_k_cache, compressed_k_cache, int(swa_metadata.block_size), comp_slots
+    ):
         return False
     try:
         scratch = _scratch_for_step(layer, q)
@@ -540,7 +542,9 @@ def reserve_decode_scratch(layer: Any, device: Any) -> Any:
 
     limits = _decode_limits(layer)
     key = (str(device), *limits)
-    if _DECODE["key"] is not None and all(a >= b for a, b in zip(_DECODE["key"][1:], limits, strict=True)):
+    if _DECODE["key"] is not None and all(
+        a >= b for a, b in zip(_DECODE["key"][1:], limits, strict=True)
+    ):
         return _DECODE["scratch"]
     sizes = decode_scratch_sizes(*limits, device)
     manager = _RUNTIME["workspace"]() if _RUNTIME["workspace"] is not None else None

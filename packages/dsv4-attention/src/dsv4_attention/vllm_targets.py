@@ -23,9 +23,9 @@ What is replaced where, and the measurements behind it, is in
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 # The package whose first import triggers patching.  On CUDA its __init__
 # imports the nvidia/ model modules, so every target below is loaded when it

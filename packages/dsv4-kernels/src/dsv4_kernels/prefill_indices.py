@@ -446,9 +446,7 @@ def _build(
     return result()
 
 
-def _copy_into(
-    rows: GroupedPrefillIndices, *outs: torch.Tensor | None
-) -> GroupedPrefillIndices:
+def _copy_into(rows: GroupedPrefillIndices, *outs: torch.Tensor | None) -> GroupedPrefillIndices:
     """The reference's grouped rows written into the caller's outputs where given (in
     field order after ``group_size``: leads, window, window_starts, window_lens, comp,
     comp_lens), so a caller that passes buffers gets views of its buffers back."""

@@ -168,7 +168,7 @@ def decode_rows(
         cbs = pools.comp.block_size
         n_c = (pos + 1) // ratio
         width = topk if ratio == 4 else (comp_width or max(1, int(n_c.max()) if T else 1))
-        clen = torch.clamp(n_c, max=width)
+        comp_len = torch.clamp(n_c, max=width)
         jc = torch.arange(width, device=dev)
         if ratio == 4:
             entry = _randint(n_c.clamp(min=1), (T, width), g)
@@ -177,7 +177,7 @@ def decode_rows(
         table_w = max(1, (int(ctx.max()) // ratio) // cbs + 1) if R else 1
         ctable = torch.randint(0, pools.comp.cache.shape[0], (R, table_w), generator=g, device=dev)
         cslot = ctable[req.unsqueeze(1), (entry // cbs).clamp(max=table_w - 1)] * cbs + entry % cbs
-        rows.append((cslot, clen, width, pools.comp.num_slots))
+        rows.append((cslot, comp_len, width, pools.comp.num_slots))
     built = []
     for slot, length, width, num_slots in rows:
         col = torch.arange(width, device=dev).unsqueeze(0)
