@@ -227,21 +227,25 @@ def _plan() -> tuple[list[_Patch], str]:
     labels = list(names)
     from .vllm_backend import (
         C4A_SHORT_ROWS_MEAN_KEYS,
+        ENV_DECODE_DISABLE,
         ENV_MAX_HEADS,
+        decode_enabled,
         max_heads,
         short_rows_max_heads,
     )
 
     heads, shared_heads, short_heads = max_heads(4), max_heads(1), short_rows_max_heads()
+    prefill_on = not _flag(ENV_PREFILL_DISABLE) and max(heads, shared_heads) > 0
+    decode_on = decode_enabled()
+    notes = []
     if _flag(ENV_PREFILL_DISABLE):
-        prefill = f"prefill stays vLLM's ({ENV_PREFILL_DISABLE}=1)"
-    elif max(heads, shared_heads) <= 0:
-        prefill = (
+        notes.append(f"prefill stays vLLM's ({ENV_PREFILL_DISABLE}=1)")
+    elif not prefill_on:
+        notes.append(
             "prefill stays vLLM's (its FlashMLA prefill is measured faster on this GPU; "
             f"{ENV_MAX_HEADS}=N enables the head-exact prefill up to N local heads)"
         )
     else:
-        patches.append(_attention_patch())
         c4a = f"up to {heads} local heads"
         if short_heads > heads:
             c4a += (
@@ -254,7 +258,19 @@ def _plan() -> tuple[list[_Patch], str]:
             else f"on C4A layers {c4a}; on SWA-only and C128A layers up to {shared_heads}"
         )
         labels.append(f"DeepseekV4FlashMLAAttention._forward_prefill (head-exact prefill {limit})")
-        prefill = ""
+    if decode_on:
+        labels.append(
+            "DeepseekV4FlashMLAAttention._forward_decode (head-exact decode up to 16 local "
+            "heads at the step sizes measured faster, dsv4_attention.decode_table)"
+        )
+    elif _flag(ENV_DECODE_DISABLE):
+        notes.append(f"decode stays vLLM's ({ENV_DECODE_DISABLE}=1)")
+    else:
+        notes.append("decode stays vLLM's (the head-exact decode is measured on Hopper only)")
+    if prefill_on or decode_on:
+        patches.append(_attention_patch())
+        labels.append("scratch reserved and kernels compiled in vLLM's profile run")
+    prefill = "; ".join(notes)
     summary = f"({platform}); replaced: {', '.join(labels)}"
     return patches, f"{summary}; {prefill}" if prefill else summary
 

@@ -28,6 +28,11 @@ import torch
 
 ENV_MAX_HEADS = "DSV4_PREFILL_MAX_HEADS"
 ENV_DECODE_DISABLE = "DSV4_DECODE_DISABLE"
+ENV_PREFILL_DISABLE = "DSV4_PREFILL_DISABLE"
+
+
+def _switch(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 # Compute capabilities where vLLM's FlashMLA prefill runs (Hopper, Blackwell).
 # On Hopper our Gluon wgmma kernel (dsv4_kernels._gluon_sparse_mla) is measured
 # faster than FlashMLA padded to 64 heads (plus vLLM's gather and combine) at 8
@@ -202,6 +207,7 @@ def use_head_exact(layer: Any, swa_metadata: Any) -> bool:
     ratio = int(layer.compress_ratio)
     if (
         ratio not in (1, 4, 128)
+        or _switch(ENV_PREFILL_DISABLE)
         or getattr(swa_metadata, "prefill_left_visible", None) is not None
         or getattr(swa_metadata, "prefill_right_visible", None) is not None
     ):
@@ -363,7 +369,7 @@ def reserve_scratch(spec: Any, device: Any) -> Any:
 def could_take_head_exact(layer: Any) -> bool:
     """Whether any step could send this layer to the head-exact prefill."""
     ratio = int(layer.compress_ratio)
-    if ratio not in (1, 4, 128):
+    if ratio not in (1, 4, 128) or _switch(ENV_PREFILL_DISABLE):
         return False
     limit = max(max_heads(ratio), short_rows_max_heads() if ratio == 4 else 0)
     return int(layer.n_local_heads) <= limit
@@ -494,7 +500,7 @@ def decode_enabled() -> bool:
     """Whether the head-exact decode may run in this process: on Hopper with the Gluon
     wgmma kernel (where ``dsv4_attention.decode_table`` was measured), unless
     ``DSV4_DECODE_DISABLE=1``."""
-    if os.environ.get(ENV_DECODE_DISABLE, "0").strip().lower() in ("1", "true", "yes", "on"):
+    if _switch(ENV_DECODE_DISABLE):
         return False
     if _device_major() != 9:
         return False
