@@ -220,3 +220,83 @@ def test_group_size_is_one_where_the_wgmma_kernel_does_not_run() -> None:
     q = torch.zeros(4, 8, 512, dtype=torch.bfloat16)
     assert sm.prefill_group_size(q) == 1
     assert sm.group_rows(8, 4) == 32 and sm.group_rows(16, 2) == 32 and sm.group_rows(3, 1) == 8
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"], ids=["triton-interpreted", "torch-reference"])
+@pytest.mark.parametrize("ratio", [1, 128])
+def test_grouped_rows_into_given_outputs(
+    ratio: int, interpret: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With every output given, the rows land in the caller's buffers (views of them are
+    returned; the poison is overwritten) and equal the allocating call's; on a CPU
+    without the interpreter the reference computes and copies in."""
+    case = make_case(fresh_seed(), query_lens=QUERY_LENS["mixed-with-empty"], ratio=ratio)
+    group = 4
+    want = _grouped(case, group, torch.device("cpu"), "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    T, extra = case.num_tokens, 3
+    outs = {
+        "window_out": torch.full((T + extra, WINDOW + group - 1), -77, dtype=torch.int32),
+        "window_lens_out": torch.full((T + extra,), -77, dtype=torch.int32),
+        "leads_out": torch.full((T + extra,), -77, dtype=torch.int32),
+        "starts_out": torch.full((T + extra,), -77, dtype=torch.int32),
+    }
+    comp = ratio == 128
+    if comp:
+        outs["comp_out"] = torch.full((T + extra, case.topk), -77, dtype=torch.int32)
+        outs["comp_lens_out"] = torch.full((T + extra,), -77, dtype=torch.int32)
+    got = dk.build_grouped_prefill_indices(
+        case.query_start_loc,
+        case.seq_lens,
+        num_tokens=T,
+        group_size=group,
+        window_block_table=case.window_table,
+        window_block_size=WINDOW_BS,
+        window_size=WINDOW,
+        comp_block_table=case.comp_table if comp else None,
+        comp_block_size=case.comp_bs if comp else None,
+        topk=case.topk if comp else None,
+        **outs,
+    )
+    pairs = [
+        ("leads_out", got.leads, want.leads),
+        ("window_lens_out", got.window_lens, want.window_lens),
+        ("starts_out", got.window_starts, want.window_starts),
+    ]
+    if comp:
+        pairs += [("comp_lens_out", got.comp_lens, want.comp_lens)]
+    for name, g, w in pairs:
+        assert g.data_ptr() == outs[name].data_ptr(), name
+        assert torch.equal(g, w), name
+        assert bool((outs[name][T:] == -77).all()), f"{name}: rows past T written"
+    assert got.window.data_ptr() == outs["window_out"].data_ptr()
+    # a leader's row is what tokens read; compare what each token sees
+    for t in range(T):
+        lead = int(want.leads[t])
+        s, n = int(want.window_starts[t]), int(want.window_lens[t])
+        assert torch.equal(got.window[lead, s : s + n], want.window[lead, s : s + n])
+
+
+def test_leads_out_is_only_for_grouped_rows() -> None:
+    case = make_case(fresh_seed(), query_lens=[5], ratio=1)
+    with pytest.raises(ValueError, match="leads_out"):
+        dk.prefill_indices._build(
+            case.query_start_loc,
+            case.seq_lens,
+            num_tokens=case.num_tokens,
+            window_block_table=case.window_table,
+            window_block_size=WINDOW_BS,
+            window_size=WINDOW,
+            compress_ratio=None,
+            comp_block_table=None,
+            comp_block_size=None,
+            topk_indices=None,
+            topk=None,
+            window_out=None,
+            window_lens_out=None,
+            comp_out=None,
+            comp_lens_out=None,
+            check_values=False,
+            group=1,
+            leads_out=torch.zeros(case.num_tokens, dtype=torch.int32),
+        )
