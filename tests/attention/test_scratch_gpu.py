@@ -61,9 +61,11 @@ def test_step_with_scratch_allocates_nothing_gpu(heads: int) -> None:
         plan = PrefillPlan(
             inputs.query_start_loc, inputs.seq_lens, num_tokens=inputs.num_tokens, scratch=scratch
         )
+        kwargs = {layer: layer_kwargs(sc, layer, inputs) for layer in layers}  # copies sinks
+        torch.cuda.synchronize()
         before = _allocations()
         for layer in layers:
-            forward_prefill(q, plan, out=outs[layer], **layer_kwargs(sc, layer, inputs))
+            forward_prefill(q, plan, out=outs[layer], **kwargs[layer])
         torch.cuda.synchronize()
         assert _allocations() == before, f"step {s} allocated through torch's allocator"
         for layer in layers:
