@@ -12,9 +12,10 @@ attention class, ``_forward_prefill``, ``_forward_decode``, ``forward_mqa``)
 is byte-identical; ``common/ops/cache_utils.py`` keeps the three functions'
 parameters; ``_select_dsv4_attn_cls`` moved within ``nvidia/model.py`` with
 the same body; the KV-cache grouping helpers moved from
-``v1/core/kv_cache_utils.py`` to ``v1/core/kv_cache_planning.py``; 0.33 adds
-DeepSeek-V4.1 (``models/deepseek_v41``) with its own attention classes, ops and
-a different cache layout, which the plugin never touches.
+``v1/core/kv_cache_utils.py`` to ``v1/core/kv_cache_planning.py``.  Both
+releases ship DeepSeek-V4.1 (``models/deepseek_v41``, already in 0.32.0's CPU
+build) with its own attention classes, ops and a different cache layout, which
+the plugin never touches.
 
 What is replaced where, and the measurements behind it, is in
 ``docs/plugin.md``.
@@ -136,6 +137,7 @@ RELEASES: Mapping[tuple[int, int], ReleaseFacts] = MappingProxyType(
         (0, 32): ReleaseFacts(
             release=(0, 32),
             kv_cache_grouping_module="vllm.v1.core.kv_cache_utils",
+            untouched_models=("vllm.models.deepseek_v41",),
         ),
         (0, 33): ReleaseFacts(
             release=(0, 33),
