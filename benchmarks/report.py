@@ -39,9 +39,22 @@ def _pivot(results: Sequence[Result]) -> dict[str, dict[str, dict[str, Result]]]
     return table
 
 
+SMOKE_BANNER = (
+    "**CPU smoke run**: no CUDA GPU; the kernels ran through Triton's interpreter on tiny "
+    "shapes. Every provider's output was checked, but the times are CPU wall clock and say "
+    "nothing about GPU speed, so no speed-ups or floor ratios are shown. GPU figures need a GPU."
+)
+
+
 def write_table(results: Sequence[Result], env: dict[str, str], path: Path, command: str) -> str:
-    """Markdown: per kernel, p50 of every provider, our speed-ups and our distance to the floor."""
-    lines = [
+    """Markdown: per kernel, p50 of every provider, our speed-ups and our distance to the floor.
+
+    A CPU smoke run (``env["mode"] == "cpu-smoke"``) keeps its banner at the
+    top and shows the times only: nothing bold, no speed-ups, no floor ratios.
+    """
+    smoke = env.get("mode") == "cpu-smoke"
+    lines = [SMOKE_BANNER, ""] if smoke else []
+    lines += [
         f"GPU: {env['gpu']}; torch {env['torch']}; Triton {env['triton']}; git {env['git_sha']}; "
         f"copy bandwidth {env.get('copy_bandwidth_gbps', '?')} GB/s; mode {env.get('mode')}",
         "",
@@ -56,6 +69,16 @@ def write_table(results: Sequence[Result], env: dict[str, str], path: Path, comm
             dict.fromkeys(p for row in cases.values() for p in row if p not in (OURS, FLOOR))
         )
         head = ["case", "tokens", *providers]
+        if smoke:
+            head.append(OURS)
+            lines += [f"### {kernel}", "", "| " + " | ".join(head) + " |"]
+            lines.append("|" + "---|" * len(head))
+            for case, row in cases.items():
+                cells = [case, str(next(iter(row.values())).tokens)]
+                cells += [f"{row[p].p50_us:.2f}" if p in row else "-" for p in [*providers, OURS]]
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
+            continue
         seed_style = {"per-request-workers-128", "per-request-workers-256"} <= set(providers)
         if seed_style:
             head.append("256 vs 128")

@@ -338,3 +338,82 @@ def test_serve_execs_vllm_with_the_callers_environment_and_the_roles_gpus(monkey
     assert env["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"  # the role's GPUs, not the shell's
     assert argv[argv.index("--port") + 1] == "8200"
     assert "is not used" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- #
+# Without vLLM: one-line errors naming the flag and the install command
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    """This Python without vLLM: ``import vllm`` fails and ``find_spec`` finds nothing."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    monkeypatch.delenv("DSV4_VLLM", raising=False)
+    monkeypatch.setattr("os.execvpe", lambda *a: pytest.fail("must not exec"))
+
+
+def test_validate_vllm_yes_without_vllm_names_the_flag(no_vllm, capsys):
+    assert main(["validate", "h200-tp8-ep", "--vllm", "yes"]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line.startswith("dsv4: error: --vllm yes needs vLLM")
+    assert "pip install 'dsv4-presets[vllm]'" in line and "--vllm no" in line
+    assert "with_vllm" not in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
+def test_validate_without_vllm_says_one_thing(no_vllm, capsys):
+    assert main(["validate", "h200-tp8-ep"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert "checked without vLLM: the DSV4 rules, and option names and types" in out
+    assert "rules only" not in out and "vLLM not used" not in out
+
+
+def test_serve_without_vllm_prints_the_install_hint(no_vllm, capsys):
+    assert main(["serve", "h200-tp8-ep"]) == 2
+    err = capsys.readouterr().err
+    (line,) = err.splitlines()
+    assert line.startswith("dsv4: error: dsv4 serve needs vLLM")
+    assert "pip install 'dsv4-presets[vllm]'" in line and "DSV4_VLLM" in line
+    assert "No module named" not in err
+    # --dry-run only prints the command, so it needs no vLLM.
+    assert main(["serve", "h200-tp8-ep", "--dry-run"]) == 0
+    assert "vllm.entrypoints.cli.main serve" in capsys.readouterr().out
+
+
+def test_unknown_preset_is_short_and_a_missing_file_is_named(tmp_path, capsys):
+    from dsv4_presets.presets import list_presets
+
+    assert main(["validate", "h200-tp8", "--vllm", "no"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "dsv4: error: unknown preset 'h200-tp8': no shipped preset or file of that name; "
+        "`dsv4 presets` lists them"
+    )
+    names = [info.name for info in list_presets()]
+    assert len(names) > 10 and not any(name in line for name in names)
+    missing = tmp_path / "mine.yaml"
+    for path in (str(missing), str(tmp_path / "sub" / "mine")):
+        assert main(["render", path]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert (
+            line == f"dsv4: error: unknown preset {path!r}: no such file ({path!r} does not exist)"
+        )
+
+
+def test_the_seed_is_explained_where_it_appears(capsys):
+    """The seed is the vLLM pull request this project grew from: say so where it appears."""
+    assert main(["presets"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "seed" in line]
+    assert {line.split()[0] for line in lines} == {"h200-tp8-ep", "random-1024-64"}
+    assert all("(the vLLM PR this project grew from)" in line for line in lines)
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert help_text.count("the vLLM pull request this project grew from") == 2
+    root = Path(__file__).resolve().parents[2]
+    for doc in ("docs/compare.md", "docs/presets.md", "docs/kernels.md"):
+        text = " ".join((root / doc).read_text().split())
+        assert "seed" in text and "pull request this project grew from" in text, doc

@@ -103,8 +103,17 @@ def test_k8s_manifest_parses_and_runs_the_rendered_argv(name, capsys):
                 assert shlex.split(script.split(" && ")[-1])[3:] == target.to_argv()
         limits = container["resources"]["limits"]
         assert limits == {"amd.com/gpu" if "mi355x" in name else "nvidia.com/gpu": gpus}
-        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
         assert env == target.env_strings()
+        # Like the docker line's `-e HF_TOKEN -v $HOME/.cache/huggingface:...`.
+        (token,) = [e for e in container["env"] if e["name"] == "HF_TOKEN"]
+        ref = token["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"], ref["optional"]) == ("hf-token", "token", True)
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["hf-cache"] == "/root/.cache/huggingface"
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["hf-cache"]["hostPath"]["path"] == "/var/cache/huggingface"
+        assert set(mounts) == set(volumes)
     leader = pods[0]["spec"]["containers"][0]
     if not targets[0].args.get("headless"):
         assert leader["readinessProbe"]["httpGet"]["path"] == "/health"

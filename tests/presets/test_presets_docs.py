@@ -65,3 +65,39 @@ def test_guide_client_guidance_matches_vllms_chat_template_keys():
     assert '"chat_template_kwargs": {"thinking": True, "reasoning_effort": "max"}' in guide
     for text in ("/health", "/v1/models", "VLLM_ENGINE_READY_TIMEOUT_S", "393,216"):
         assert text in guide
+
+
+def test_readmes_say_how_to_get_pytorchs_cpu_build_and_the_disk_needed():
+    root = Path(__file__).resolve().parents[2]
+    cpu = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    for readme in (
+        "README.md",
+        "packages/dsv4-kernels/README.md",
+        "packages/dsv4-attention/README.md",
+    ):
+        text = " ".join((root / readme).read_text().split())
+        assert cpu in text, readme
+    presets = " ".join((root / "packages/dsv4-presets/README.md").read_text().split())
+    assert "needs no torch" in presets and "https://download.pytorch.org/whl/cpu" in presets
+    readme = " ".join((root / "README.md").read_text().split())
+    assert "about 11-14 GB of free disk" in readme
+    assert "docs/contributing.md" in readme and (root / "docs" / "contributing.md").is_file()
+
+
+def test_contributing_guide_names_real_places_and_sessions():
+    root = DOCS.parent
+    text = (DOCS / "contributing.md").read_text()
+    paths = re.findall(r"`((?:packages|tests|benchmarks|docs)/[^`<*\s]*)`", text)
+    assert len(paths) >= 5
+    for path in paths:
+        assert (root / path).exists(), path
+    noxfile = (root / "noxfile.py").read_text()
+    for session in ("lint", "tests", "vllm", "bench"):
+        assert f"def {session}(session" in noxfile, session
+    for command in (
+        "python3 -m nox -s \"tests(package='dsv4-kernels')\"",
+        "python3 -m nox -s \"vllm(release='0.32')\"",
+        "python3 -m nox -s \"vllm(release='0.33')\"",
+        "python3 -m pytest -m gpu",
+    ):
+        assert command in text, command

@@ -33,6 +33,7 @@ from dsv4_presets.vllm_releases import supported
 FORMATS = ("argv", "config", "env", "docker", "k8s")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_BENCH_MODEL = "deepseek-ai/DeepSeek-V4-Flash-0731"
+VLLM_INSTALL_HINT = "pip install 'dsv4-presets[vllm]'"
 
 
 def _err(text: str) -> None:
@@ -215,6 +216,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.preset is None:
         raise PresetError("dsv4 validate needs a PRESET (or --rules)")
     with_vllm = {"auto": None, "yes": True, "no": False}[args.vllm]
+    if with_vllm and not vllm_available():
+        raise PresetError(
+            f"--vllm yes needs vLLM in this Python ({sys.executable}): {VLLM_INSTALL_HINT}, "
+            "or pass --vllm no to check without vLLM"
+        )
     config = _resolve(args)
     if with_vllm is not False and vllm_available():
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -229,7 +235,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     else:
         table = shipped_table("bench" if isinstance(config, BenchConfig) else "serve")
         how = (
-            "with the DSV4 rules only (vLLM not used), option names against the shipped "
+            "without vLLM: the DSV4 rules, and option names and types against the shipped "
             f"vLLM {table.vllm_version} option table (release {report.vllm_release})"
         )
     verdict = "OK" if report.ok and not (args.strict and warnings) else "FAILED"
@@ -270,6 +276,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if report.errors:
             _err(f"{config.name}: not serving because of the errors above")
             return 1
+    if not args.dry_run and not os.environ.get("DSV4_VLLM") and not vllm_available():
+        raise PresetError(
+            f"dsv4 serve needs vLLM in this Python ({sys.executable}): {VLLM_INSTALL_HINT} "
+            "(or set DSV4_VLLM to the command of another vLLM; --dry-run prints the command)"
+        )
     for line in config.setup_lines():
         _err(f"run first on this node: {line}")
     argv = [*vllm_command(), "serve", *config.to_argv()]

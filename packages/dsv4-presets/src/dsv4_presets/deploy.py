@@ -13,7 +13,9 @@ rules and vLLM's parser checked is what the container runs:
   pod holding one node's GPUs.  A preset's required data-parallel address
   becomes ``$(LWS_LEADER_ADDRESS)``, which LeaderWorkerSet puts in every
   pod's environment; the leader has ``/health`` readiness and a start-up
-  probe as long as vLLM's engine start-up timeout.
+  probe as long as vLLM's engine start-up timeout.  Like the docker line,
+  every pod gets ``HF_TOKEN`` (from an optional Secret) and a Hugging Face
+  cache that outlives the pod (a host folder on each node).
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ LWS_LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
 DEFAULT_STARTUP_S = 600
 API_PORT = 8000
 _HF_CACHE = "/root/.cache/huggingface"
+# k8s: the token comes from this Secret (optional, for gated models) and the
+# model cache lives on each node under this host folder, as the docker line's
+# `-e HF_TOKEN -v $HOME/.cache/huggingface:...` does for one host.
+HF_TOKEN_SECRET = "hf-token"
+HF_TOKEN_SECRET_KEY = "token"
+K8S_HF_CACHE_HOST_PATH = "/var/cache/huggingface"
 
 
 def default_image(config: ServeConfig) -> str:
@@ -148,7 +156,17 @@ def _probe(port: int) -> dict[str, Any]:
 
 def _container(config: ServeConfig, image: str, *, leader: bool) -> dict[str, Any]:
     gpus = int(config.hardware.get("gpus_per_node") or 8)
-    env = [{"name": k, "value": v} for k, v in config.env_strings().items()]
+    token = {
+        "name": "HF_TOKEN",
+        "valueFrom": {
+            "secretKeyRef": {
+                "name": HF_TOKEN_SECRET,
+                "key": HF_TOKEN_SECRET_KEY,
+                "optional": True,
+            }
+        },
+    }
+    env = [token, *({"name": k, "value": v} for k, v in config.env_strings().items())]
     container: dict[str, Any] = {"name": "vllm", "image": image}
     if config.setup_lines():
         prelude: tuple[str, ...] = ()
@@ -158,11 +176,13 @@ def _container(config: ServeConfig, image: str, *, leader: bool) -> dict[str, An
     else:
         container["command"] = ["vllm", "serve"]
         container["args"] = config.to_argv()
-    if env:
-        container["env"] = env
+    container["env"] = env
     resource = "amd.com/gpu" if _is_amd(config) else "nvidia.com/gpu"
     container["resources"] = {"limits": {resource: gpus}}
-    container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    container["volumeMounts"] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "hf-cache", "mountPath": _HF_CACHE},
+    ]
     spec = config.node_spec
     if leader and (spec is None or spec.serve) and not config.args.get("headless"):
         startup = int(config.env.get("VLLM_ENGINE_READY_TIMEOUT_S", DEFAULT_STARTUP_S))
@@ -180,7 +200,13 @@ def _pod(config: ServeConfig, image: str, *, leader: bool, role: str) -> dict[st
         "metadata": {"labels": {"app.kubernetes.io/name": "dsv4", "dsv4/role": role}},
         "spec": {
             "containers": [_container(config, image, leader=leader)],
-            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+            "volumes": [
+                {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+                {
+                    "name": "hf-cache",
+                    "hostPath": {"path": K8S_HF_CACHE_HOST_PATH, "type": "DirectoryOrCreate"},
+                },
+            ],
         },
     }
 
@@ -219,6 +245,12 @@ def render_k8s(config: ServeConfig, *, image: str | None = None) -> str:
     header = (
         f"# dsv4 preset {config.name}: a LeaderWorkerSet (needs the LWS controller:\n"
         "# https://github.com/kubernetes-sigs/lws). Apply with: kubectl apply -f this.yaml\n"
+        f"# HF_TOKEN comes from the Secret {HF_TOKEN_SECRET!r} (key {HF_TOKEN_SECRET_KEY!r}; "
+        "optional, for gated models):\n"
+        f"#   kubectl create secret generic {HF_TOKEN_SECRET} "
+        f'--from-literal={HF_TOKEN_SECRET_KEY}="$HF_TOKEN"\n'
+        f"# The model cache is {K8S_HF_CACHE_HOST_PATH} on each node (hostPath), "
+        f"mounted at {_HF_CACHE}.\n"
     )
     manifest = k8s_manifest(config, image=image)
     return header + yaml.safe_dump(manifest, sort_keys=False, width=100)

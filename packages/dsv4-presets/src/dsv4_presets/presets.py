@@ -204,8 +204,11 @@ def _parse(text: str, source: str, name: str, directory: Path | None) -> _File:
     return _File(source=source, name=name, directory=directory, args=args, meta=meta)
 
 
-def _looks_like_path(name: str) -> bool:
-    return name.endswith((".yaml", ".yml")) or (os.sep in name and Path(name).exists())
+def _looks_like_path(name: str, kinds: Sequence[str]) -> bool:
+    """A YAML file name, or a name with a folder where no shipped name has one (layers do)."""
+    if name.endswith((".yaml", ".yml")):
+        return True
+    return (os.sep in name or "/" in name) and "layers" not in kinds
 
 
 def _lookup(
@@ -233,11 +236,12 @@ def _lookup(
                     f"cannot read preset file {str(path)!r}: {exc.strerror}"
                 ) from None
             return _parse(text, str(path), path.stem, path.resolve().parent)
-    shipped = ", ".join(n for kind in kinds for n in _shipped(kind))
-    hint = " (no such file)" if _looks_like_path(name) else ""
+    if _looks_like_path(name, kinds):
+        tried = " or ".join(repr(str(p)) for p in candidates)
+        raise PresetError(f"unknown {what} {name!r}: no such file ({tried} does not exist)")
+    listing = "`dsv4 presets -v`" if "layers" in kinds else "`dsv4 presets`"
     raise PresetError(
-        f"unknown {what} {name!r}{hint}: give a shipped one ({shipped}) or the path "
-        f"of a YAML file (tried {' and '.join(repr(str(p)) for p in candidates)})"
+        f"unknown {what} {name!r}: no shipped {what} or file of that name; {listing} lists them"
     )
 
 

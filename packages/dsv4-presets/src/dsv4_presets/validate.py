@@ -109,8 +109,8 @@ def check(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -
         table = shipped_table("serve")
         report.vllm_release = facts_for(table.vllm_version).name
         report.notes.append(
-            "vLLM not used: option names and types were checked against the shipped "
-            f"vLLM {table.vllm_version} option table only; install vLLM for its parser, "
+            "checked without vLLM: the DSV4 rules, and option names and types against the "
+            f"shipped vLLM {table.vllm_version} option table; install vLLM for its parser, "
             "registries and the minimum-version check"
         )
     return report

@@ -29,8 +29,9 @@ an interleaved pattern (A B A by default) on this machine: for each run start
 stop the server by its PID and wait for its GPU memory to be released.  Every
 run is saved under --out (spec, commands, environment, versions, logs, vLLM's
 JSON); running the same command again resumes where it stopped.  The report
-gives the seed's table, the change of each B run against the mean of its
-neighbouring A runs, and confidence intervals.
+gives the seed's table (Run | Variant | Mean Output Throughput | Mean TPOT, as
+in the seed: the vLLM pull request this project grew from), the change of each
+B run against the mean of its neighbouring A runs, and confidence intervals.
 """
 
 EPILOG = """\
@@ -156,7 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--bench",
         default="random-1024-64",
-        help="bench preset or YAML file (default: random-1024-64, the seed's)",
+        help="bench preset or YAML file (default: random-1024-64, the benchmark of the "
+        "seed, the vLLM pull request this project grew from)",
     )
     what.add_argument(
         "--bench-set",
