@@ -287,9 +287,20 @@ class ServeConfig:
         """Everything after ``vllm serve``: the model, then the options."""
         table = shipped_table("serve")
         argv = [self.model]
-        for key, value in self.ordered_args():
+        for key, value in self._flag_args():
             argv += render_option(key, value, table.get(key))
         return argv
+
+    def _flag_args(self) -> list[tuple[str, Any]]:
+        """:meth:`ordered_args` with each boolean's false form written as the flag vLLM
+        reads (``_config_bool``): two spellings of one flag (``enable-x: true`` and,
+        on vLLM 0.33, ``disable-x: false``) give it once, at the first one's place with
+        the later value, as in :meth:`to_config`."""
+        merged: dict[str, Any] = {}
+        for key, value in self.ordered_args():
+            flag, flag_value = _config_bool(key, value)
+            merged[flag] = value if flag == key else flag_value
+        return list(merged.items())
 
     def to_config(self) -> dict[str, Any]:
         """A mapping for ``vllm serve --config`` (the model included as ``model``)."""
