@@ -2,10 +2,11 @@
 
 ``MEASURED[layer][heads][tokens]`` is FlashMLA's time over ours (above 1: ours is
 faster) for a decode step of ``tokens`` query tokens, from the curated H200 run in
-``docs/results/h200-decode/`` (fa69732; run 3, the final kernel code, measured beside FlashMLA in one run): both
-under CUDA graphs on the same FP8 pages, 131,072-token contexts, FlashMLA padded
-to 64 heads as vLLM runs it.  Where the matrix also measured the step as 2 tokens
-per request (MTP), the smaller of the two ratios is kept.
+``docs/results/h200-decode/`` (run 3 at fa69732: the final kernel code, measured
+beside FlashMLA in one run): both under CUDA graphs on the same FP8 pages,
+131,072-token contexts, FlashMLA padded to 64 heads as vLLM runs it.  Where the
+matrix also measured the step as 2 tokens per request (MTP), the smaller of the two
+ratios is kept.
 
 :func:`use_head_exact_decode` says whether a step should take
 :func:`dsv4_attention.decode.forward_decode`: only where the measurements on both
@@ -25,16 +26,88 @@ LAYERS = {1: "swa", 4: "c4a", 128: "c128a"}
 
 MEASURED: dict[str, dict[int, dict[int, float]]] = {
     "c4a": {
-        8: {1: 1.41, 2: 1.39, 4: 1.4, 8: 1.46, 16: 1.45, 32: 1.57, 64: 1.84, 128: 1.14, 256: 1.43, 512: 1.32, 1024: 1.51},
-        16: {1: 1.36, 2: 1.35, 4: 1.38, 8: 1.3, 16: 1.22, 32: 1.36, 64: 1.53, 128: 1.15, 256: 1.35, 512: 1.35, 1024: 1.37},
+        8: {
+            1: 1.41,
+            2: 1.39,
+            4: 1.4,
+            8: 1.46,
+            16: 1.45,
+            32: 1.57,
+            64: 1.84,
+            128: 1.14,
+            256: 1.43,
+            512: 1.32,
+            1024: 1.51,
+        },
+        16: {
+            1: 1.36,
+            2: 1.35,
+            4: 1.38,
+            8: 1.3,
+            16: 1.22,
+            32: 1.36,
+            64: 1.53,
+            128: 1.15,
+            256: 1.35,
+            512: 1.35,
+            1024: 1.37,
+        },
     },
     "c128a": {
-        8: {1: 1.56, 2: 1.51, 4: 1.49, 8: 1.42, 16: 1.43, 32: 1.51, 64: 1.89, 128: 1.36, 256: 1.4, 512: 1.29, 1024: 1.54},
-        16: {1: 1.38, 2: 1.35, 4: 1.39, 8: 1.29, 16: 1.24, 32: 1.37, 64: 1.54, 128: 1.16, 256: 1.36, 512: 1.37, 1024: 1.39},
+        8: {
+            1: 1.56,
+            2: 1.51,
+            4: 1.49,
+            8: 1.42,
+            16: 1.43,
+            32: 1.51,
+            64: 1.89,
+            128: 1.36,
+            256: 1.4,
+            512: 1.29,
+            1024: 1.54,
+        },
+        16: {
+            1: 1.38,
+            2: 1.35,
+            4: 1.39,
+            8: 1.29,
+            16: 1.24,
+            32: 1.37,
+            64: 1.54,
+            128: 1.16,
+            256: 1.36,
+            512: 1.37,
+            1024: 1.39,
+        },
     },
     "swa": {
-        8: {1: 1.4, 2: 1.4, 4: 1.41, 8: 1.4, 16: 1.43, 32: 1.39, 64: 1.38, 128: 1.49, 256: 2.06, 512: 1.85, 1024: 2.24},
-        16: {1: 1.28, 2: 1.3, 4: 1.31, 8: 1.29, 16: 1.31, 32: 1.26, 64: 1.2, 128: 1.03, 256: 1.59, 512: 1.54, 1024: 1.57},
+        8: {
+            1: 1.4,
+            2: 1.4,
+            4: 1.41,
+            8: 1.4,
+            16: 1.43,
+            32: 1.39,
+            64: 1.38,
+            128: 1.49,
+            256: 2.06,
+            512: 1.85,
+            1024: 2.24,
+        },
+        16: {
+            1: 1.28,
+            2: 1.3,
+            4: 1.31,
+            8: 1.29,
+            16: 1.31,
+            32: 1.26,
+            64: 1.2,
+            128: 1.03,
+            256: 1.59,
+            512: 1.54,
+            1024: 1.57,
+        },
     },
 }
 

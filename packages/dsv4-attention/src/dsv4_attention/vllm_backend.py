@@ -33,6 +33,8 @@ ENV_PREFILL_DISABLE = "DSV4_PREFILL_DISABLE"
 
 def _switch(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 # Compute capabilities where vLLM's FlashMLA prefill runs (Hopper, Blackwell).
 # On Hopper our Gluon wgmma kernel (dsv4_kernels._gluon_sparse_mla) is measured
 # faster than FlashMLA padded to 64 heads (plus vLLM's gather and combine) at 8
@@ -244,162 +246,6 @@ def _step_plan(swa_metadata: Any, scratch: Any = None) -> Any:
     return step["plan"]
 
 
-# --- the cache layout guard ------------------------------------------------------------
-
-# vLLM's names of the cache dtype whose pages are the UE8M0 layout our kernels read
-DSV4_CACHE_DTYPES = ("fp8_ds_mla", "fp8")
-
-
-def cache_layout_problem(layer: Any, cache: Any, slots: int, what: str) -> str | None:
-    """Why ``cache`` is not a DSV4 FP8 (UE8M0, 584 bytes a token) page view of ``slots``
-    entries per page, or None when it is."""
-    import torch
-
-    from dsv4_kernels.geometry import TOKEN_BYTES, page_stride_bytes
-
-    if not isinstance(cache, torch.Tensor):
-        return f"the {what} cache is {type(cache).__name__}, not a tensor"
-    if cache.dtype != torch.uint8 or cache.dim() != 3:
-        return f"the {what} cache is {cache.dtype} {tuple(cache.shape)}, not a uint8 page view"
-    if cache.shape[1] != slots or cache.shape[2] != TOKEN_BYTES:
-        return (
-            f"the {what} cache pages are {tuple(cache.shape[1:])}, expected ({slots}, "
-            f"{TOKEN_BYTES}) (DSV4's UE8M0 layout, {TOKEN_BYTES} bytes a token)"
-        )
-    if cache.stride(2) != 1 or cache.stride(1) != TOKEN_BYTES:
-        return f"the {what} cache has strides {cache.stride()}, not packed {TOKEN_BYTES}-byte rows"
-    if cache.shape[0] > 1 and cache.stride(0) < page_stride_bytes(slots):
-        return (
-            f"the {what} cache's page stride {cache.stride(0)} is smaller than a page "
-            f"({page_stride_bytes(slots)} bytes)"
-        )
-    dtype = getattr(layer, "kv_cache_dtype", None)
-    if dtype is not None and str(dtype) not in DSV4_CACHE_DTYPES:
-        return f"kv_cache_dtype {dtype!r} is not one of {DSV4_CACHE_DTYPES}"
-    return None
-
-
-def layout_ok(
-    layer: Any, swa_cache: Any, comp_cache: Any, swa_block_size: int, comp_slots: int | None
-) -> bool:
-    """Whether this layer's caches have DSV4's FP8 page layout; checked once per layer
-    and cache binding, a refusal logged once."""
-    key = (
-        getattr(swa_cache, "data_ptr", lambda: 0)(),
-        getattr(comp_cache, "data_ptr", lambda: 0)(),
-        tuple(getattr(swa_cache, "shape", ())),
-        tuple(getattr(comp_cache, "shape", ())),
-    )
-    held = getattr(layer, "_dsv4_layout", None)
-    if held is not None and held[0] == key:
-        return bool(held[1])
-    problem = cache_layout_problem(layer, swa_cache, swa_block_size, "window")
-    if problem is None and comp_slots is not None:
-        problem = cache_layout_problem(layer, comp_cache, comp_slots, "compressed")
-    layer._dsv4_layout = (key, problem is None)
-    if problem is not None:
-        _say(
-            f"dsv4-attention: {getattr(layer, 'prefix', 'a DSV4 layer')} keeps vLLM's prefill: "
-            f"{problem}"
-        )
-    return problem is None
-
-
-# --- memory vLLM can see, and kernels compiled before the first request ----------------
-
-# The process's prefill scratch, reserved in vLLM's profile run; warm-ups done so far.
-_SCRATCH: dict[str, Any] = {"scratch": None, "spec": None, "refused": False}
-WARMED: dict[tuple[Any, ...], float] = {}  # (device, heads, ratio, C4A top-k) -> seconds
-
-
-def layer_scratch_spec(layer: Any, q: Any) -> Any:
-    """The largest prefill step of this layer's model (vLLM's own limits on the layer)."""
-    from dsv4_kernels import sparse_mla
-
-    from .scratch import ScratchSpec
-
-    heads = int(layer.n_local_heads)
-    topk_buffer = getattr(layer, "topk_indices_buffer", None)
-    max_model_len = int(layer.max_model_len)
-    entries = -(-max_model_len // 128)
-    return ScratchSpec(
-        max_tokens=int(layer.max_num_batched_tokens),
-        max_heads=heads,
-        window_size=int(layer.window_size),
-        max_group=sparse_mla.prefill_group_size(q[:1, :heads]),
-        c4a_topk=0 if topk_buffer is None else int(topk_buffer.shape[-1]),
-        c128a_width=-(-entries // C128A_WIDTH_ALIGNMENT) * C128A_WIDTH_ALIGNMENT,
-        window_slots=WINDOW_ROW_SETS,
-        c128a_slots=1,
-    )
-
-
-# vLLM rounds its C128A row width up to a multiple of this (``_C128A_TOPK_ALIGNMENT``).
-C128A_WIDTH_ALIGNMENT = 128
-# Distinct window row sets per step: two window KV-cache groups, each read with
-# per-token rows (C4A layers) and grouped rows (SWA-only, C128A layers).
-WINDOW_ROW_SETS = 4
-
-
-def reserve_scratch(spec: Any, device: Any) -> Any:
-    """The process's :class:`~dsv4_attention.scratch.PrefillScratch` covering ``spec``:
-    the workspace manager's persistent buffers in vLLM (visible to its memory
-    profile), plain allocations without one.  Raises what the manager raises once
-    it is locked (a buffer that was not reserved in the profile run)."""
-    from .scratch import PrefillScratch
-
-    held = _SCRATCH["spec"]
-    if held is not None and held.merged(spec) == held:
-        return _SCRATCH["scratch"]
-    spec = spec if held is None else held.merged(spec)
-    manager = _RUNTIME["workspace"]() if _RUNTIME["workspace"] is not None else None
-    if manager is None:
-        scratch = PrefillScratch(spec, device=device)
-    else:
-        scratch = PrefillScratch(
-            spec,
-            lambda name, n, dtype: manager.get_persistent(
-                ("dsv4_attention.prefill", name, n), (n,), dtype
-            ),
-        )
-    _SCRATCH.update(scratch=scratch, spec=spec)
-    return scratch
-
-
-def could_take_head_exact(layer: Any) -> bool:
-    """Whether any step could send this layer to the head-exact prefill."""
-    ratio = int(layer.compress_ratio)
-    if ratio not in (1, 4, 128) or _switch(ENV_PREFILL_DISABLE):
-        return False
-    limit = max(max_heads(ratio), short_rows_max_heads() if ratio == 4 else 0)
-    return int(layer.n_local_heads) <= limit
-
-
-def prepare_layer(layer: Any, q: Any) -> None:
-    """vLLM's profile run (no metadata): reserve the scratch the largest step needs and
-    compile our kernels for this layer's shape, so neither happens in a request."""
-    if not could_take_head_exact(layer):
-        return
-    reserve_scratch(layer_scratch_spec(layer, q), q.device)
-    from .warmup import warm_up_prefill
-
-    heads = int(layer.n_local_heads)
-    ratio = int(layer.compress_ratio)
-    topk_buffer = getattr(layer, "topk_indices_buffer", None)
-    topk = 512 if topk_buffer is None else int(topk_buffer.shape[-1])
-    key = (str(q.device), heads, ratio, topk if ratio == 4 else 0)
-    if key not in WARMED:
-        WARMED[key] = warm_up_prefill(q.device, heads, ratio, topk)
-
-
-def _scratch_for_step(layer: Any, q: Any) -> Any:
-    """The reserved scratch; reserved now when no profile run did (refused, and logged
-    once, where vLLM's workspace is already locked)."""
-    if _SCRATCH["scratch"] is not None:
-        return _SCRATCH["scratch"]
-    return reserve_scratch(layer_scratch_spec(layer, q), q.device)
-
-
 def head_exact_prefill(
     layer: Any,
     q: torch.Tensor,
@@ -480,176 +326,6 @@ def _try_head_exact(
         # nothing was written to ``output`` yet: the rows and the lse are taken first
         return _refuse(str(exc))
     return True
-
-
-def _refuse(reason: str) -> bool:
-    """Log (once per process) why a step takes vLLM's prefill; False."""
-    if not _SCRATCH["refused"]:
-        _SCRATCH["refused"] = True
-        _say(f"dsv4-attention: a prefill step takes vLLM's path: {reason}")
-    return False
-
-
-# --- the head-exact decode ---------------------------------------------------------------
-
-# The process's decode scratch (reserved in vLLM's profile run) and what it was sized for.
-_DECODE: dict[str, Any] = {"scratch": None, "key": None}
-
-
-def decode_enabled() -> bool:
-    """Whether the head-exact decode may run in this process: on Hopper with the Gluon
-    wgmma kernel (where ``dsv4_attention.decode_table`` was measured), unless
-    ``DSV4_DECODE_DISABLE=1``."""
-    if _switch(ENV_DECODE_DISABLE):
-        return False
-    if _device_major() != 9:
-        return False
-    from dsv4_kernels.sparse_mla import wgmma_available
-
-    return bool(wgmma_available())
-
-
-def use_head_exact_decode(layer: Any, num_tokens: int) -> bool:
-    """Whether this layer's decode of ``num_tokens`` tokens takes the head-exact kernel:
-    enabled, at most 16 local heads, and a step size the H200 measured faster
-    (:func:`dsv4_attention.decode_table.use_head_exact_decode`).  Everything it reads is
-    fixed for a CUDA graph (the graph's batch size, the layer), so a captured graph
-    replays the same choice."""
-    from .decode_table import use_head_exact_decode as measured_faster
-
-    ratio = int(layer.compress_ratio)
-    heads = int(layer.n_local_heads)
-    return (
-        ratio in (1, 4, 128)
-        and heads <= 16
-        and decode_enabled()
-        and measured_faster(ratio, heads, int(num_tokens))
-    )
-
-
-def _decode_limits(layer: Any) -> tuple[int, int, int]:
-    """(largest decode batch, local heads, most columns per token) of this layer's model."""
-    topk_buffer = getattr(layer, "topk_indices_buffer", None)
-    topk = 0 if topk_buffer is None else int(topk_buffer.shape[-1])
-    entries = -(-int(layer.max_model_len) // 128)
-    c128a = -(-entries // C128A_WIDTH_ALIGNMENT) * C128A_WIDTH_ALIGNMENT
-    return (
-        int(layer.max_num_batched_tokens),
-        int(layer.n_local_heads),
-        int(layer.window_size) + max(topk, c128a),
-    )
-
-
-def reserve_decode_scratch(layer: Any, device: Any) -> Any:
-    """The process's decode scratch for this layer's model: one flat float32 buffer from
-    vLLM's workspace manager (persistent, so its memory profile counts it), or a plain
-    allocation without one.  Raises what a locked manager raises."""
-    from .decode import decode_scratch_sizes, make_decode_scratch
-
-    limits = _decode_limits(layer)
-    key = (str(device), *limits)
-    if _DECODE["key"] is not None and all(
-        a >= b for a, b in zip(_DECODE["key"][1:], limits, strict=True)
-    ):
-        return _DECODE["scratch"]
-    sizes = decode_scratch_sizes(*limits, device)
-    manager = _RUNTIME["workspace"]() if _RUNTIME["workspace"] is not None else None
-    buffer = None
-    if manager is not None:
-        buffer = manager.get_persistent(
-            ("dsv4_attention.decode", *limits), (sizes.total,), torch.float32
-        )
-    _DECODE.update(scratch=make_decode_scratch(*limits, device, buffer=buffer), key=key)
-    return _DECODE["scratch"]
-
-
-def head_exact_decode(
-    layer: Any,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor | None,
-    swa_metadata: Any,
-    attn_metadata: Any,
-    swa_only: bool,
-    output: torch.Tensor,
-    scratch: Any,
-    global_topk: Any,
-) -> None:
-    """vLLM's ``_forward_decode`` inputs -> the head-exact decode on the real heads, into
-    ``output`` in place (the padded heads are left as they are)."""
-    from .decode import forward_decode
-
-    heads = int(layer.n_local_heads)
-    num_tokens = int(swa_metadata.num_decode_tokens)
-    comp: dict[str, Any] = {}
-    if not swa_only:
-        ratio = int(layer.compress_ratio)
-        if ratio == 4:  # the layer's own top-k, mapped to cache slots as vLLM maps them
-            indices, lens = global_topk(
-                layer.topk_indices_buffer[:num_tokens],
-                swa_metadata.token_to_req_indices,
-                attn_metadata.block_table[: int(swa_metadata.num_decodes)],
-                int(attn_metadata.block_size) // ratio,
-                swa_metadata.is_valid_token[:num_tokens],
-            )
-        else:
-            indices = attn_metadata.c128a_global_decode_topk_indices
-            lens = attn_metadata.c128a_decode_topk_lens
-        comp = {"comp_cache": kv_cache, "comp_indices": indices, "comp_lens": lens}
-    forward_decode(
-        q[:num_tokens, :heads],
-        layer.swa_cache_layer.kv_cache,
-        swa_metadata.decode_swa_indices,
-        swa_metadata.decode_swa_lens,
-        layer.attn_sink[:heads],
-        float(layer.scale),
-        output[:num_tokens, :heads],
-        scratch,
-        **comp,
-    )
-
-
-def _try_head_exact_decode(
-    layer: Any,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor | None,
-    swa_metadata: Any,
-    attn_metadata: Any,
-    swa_only: bool,
-    output: torch.Tensor,
-    global_topk: Any,
-) -> bool:
-    """Run the head-exact decode where it applies; False: vLLM's own must run."""
-    if not use_head_exact_decode(layer, int(swa_metadata.num_decode_tokens)):
-        return False
-    ratio = int(layer.compress_ratio)
-    comp_slots = None if swa_only else int(attn_metadata.block_size) // ratio
-    window = layer.swa_cache_layer.kv_cache
-    if not layout_ok(layer, window, kv_cache, int(swa_metadata.block_size), comp_slots):
-        return False
-    scratch = _DECODE["scratch"]
-    if scratch is None:
-        try:
-            scratch = reserve_decode_scratch(layer, q.device)
-        except AssertionError as exc:  # vLLM's locked workspace
-            return _refuse(f"no decode scratch was reserved in vLLM's profile run ({exc})")
-    head_exact_decode(
-        layer, q, kv_cache, swa_metadata, attn_metadata, swa_only, output, scratch, global_topk
-    )
-    return True
-
-
-def prepare_decode(layer: Any, q: Any) -> None:
-    """vLLM's profile run: reserve the decode scratch and compile the decode kernels for
-    this layer's type and heads (before vLLM captures its CUDA graphs)."""
-    ratio, heads = int(layer.compress_ratio), int(layer.n_local_heads)
-    if ratio not in (1, 4, 128) or heads > 16 or not decode_enabled():
-        return
-    scratch = reserve_decode_scratch(layer, q.device)
-    from .warmup import warm_up_decode
-
-    key = ("decode", str(q.device), heads, ratio)
-    if key not in WARMED:
-        WARMED[key] = warm_up_decode(q.device, heads, ratio, _decode_limits(layer)[2], scratch)
 
 
 def make_head_exact_attention_cls(base: type) -> type:
@@ -737,3 +413,60 @@ def make_head_exact_attention_cls(base: type) -> type:
             "forward_mqa": forward_mqa,
         },
     )
+
+
+# The memory, guard and decode halves live in their own modules; their names stay
+# importable from here (the plugin and the tests use them as vllm_backend.<name>).
+from .vllm_decode import (  # noqa: E402
+    _DECODE,
+    _try_head_exact_decode,
+    decode_enabled,
+    head_exact_decode,
+    prepare_decode,
+    reserve_decode_scratch,
+    use_head_exact_decode,
+)
+from .vllm_memory import (  # noqa: E402
+    _SCRATCH,
+    C128A_WIDTH_ALIGNMENT,
+    DSV4_CACHE_DTYPES,
+    WARMED,
+    WINDOW_ROW_SETS,
+    _refuse,
+    _scratch_for_step,
+    cache_layout_problem,
+    could_take_head_exact,
+    layer_scratch_spec,
+    layout_ok,
+    prepare_layer,
+    reserve_scratch,
+)
+
+__all__ = [
+    "C128A_WIDTH_ALIGNMENT",
+    "DSV4_CACHE_DTYPES",
+    "WARMED",
+    "WINDOW_ROW_SETS",
+    "_DECODE",
+    "_SCRATCH",
+    "_refuse",
+    "_scratch_for_step",
+    "_try_head_exact_decode",
+    "cache_layout_problem",
+    "configure_runtime",
+    "could_take_head_exact",
+    "decode_enabled",
+    "head_exact_decode",
+    "head_exact_prefill",
+    "layer_scratch_spec",
+    "layout_ok",
+    "make_head_exact_attention_cls",
+    "max_heads",
+    "prepare_decode",
+    "prepare_layer",
+    "reserve_decode_scratch",
+    "reserve_scratch",
+    "short_rows_max_heads",
+    "use_head_exact",
+    "use_head_exact_decode",
+]
