@@ -35,11 +35,12 @@ import torch
 
 from dsv4_kernels.testing import fresh_seed, generator
 from dsv4_kernels.testing.k_cache import (
+    WIDE_SPREAD,
     assert_same_bytes,
     block_outer_k_cache_group,
     fill_every_slot,
     poisoned_bf16,
-    spread_keys,
+    random_keys,
 )
 
 from .harness import BenchCase, Provider, same_bytes_copy
@@ -277,7 +278,7 @@ def build_insert_cases(device: torch.device, smoke: bool) -> list[BenchCase]:
         pos = torch.arange(shape.seq_len, device=device)
         slots = (table[:, pos // bs].long() * bs + pos % bs).reshape(-1)
         n = slots.shape[0]
-        k = spread_keys(n, generator=g, device=device)
+        k = random_keys(n, generator=g, device=device, spread=WIDE_SPREAD)
         cache, allocation = _cache(shape, num_pages, device)
         poison = torch.randint(
             0, 256, allocation.shape, dtype=torch.uint8, generator=g, device=device

@@ -64,7 +64,6 @@ FLASHMLA_GATHER = "flashmla-64h+gather"
 SCALE = 512**-0.5
 WINDOW = 128
 SWA_BLOCK = 64
-KV_BLOCK = 256
 # Tokens whose output is compared with the reference (every CHECK_STRIDE-th, and the last).
 CHECK_TOKENS = 256
 
@@ -268,7 +267,7 @@ def make_inputs(shape: AttnShape, device: torch.device, seed: int) -> AttnInputs
     comp = None
     comp_bs = None
     if ratio > 1:
-        comp_bs = KV_BLOCK // ratio
+        comp_bs = case.comp_block_size  # geometry.slots_per_page(ratio)
         comp = ts.paged_cache(case.comp_num_pages, comp_bs, generator=g, device=device)
     rows = case.build()
     seq = case.seq_lens

@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     import dsv4_kernels.kv_cache as kvc
     from dsv4_kernels import reference as ref
     from dsv4_kernels.testing import fresh_seed, generator
-    from dsv4_kernels.testing.k_cache import fill_every_slot, spread_keys
+    from dsv4_kernels.testing.k_cache import WIDE_SPREAD, fill_every_slot, random_keys
 
     from . import harness
     from .cases_kv_cache import Shape, _layout
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         pos = torch.arange(shape.seq_len, device=dev)
         slots = (table[:, pos // bs].long() * bs + pos % bs).reshape(-1)
         n = slots.numel()
-        k = spread_keys(n, generator=g, device=dev)
+        k = random_keys(n, generator=g, device=dev, spread=WIDE_SPREAD)
         cache = dk.empty_k_cache(num_pages, bs, dev)
         cache.random_(0, 256, generator=g)
         want = cache.clone()

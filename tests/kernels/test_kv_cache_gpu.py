@@ -14,12 +14,13 @@ from dsv4_kernels.reference import kv_cache as ref
 from dsv4_kernels.testing import fresh_seed
 from dsv4_kernels.testing import generator as gen
 from dsv4_kernels.testing.k_cache import (
+    WIDE_SPREAD,
     assert_same_bytes,
     block_outer_k_cache_group,
     block_outer_k_cache_views,
     fill_every_slot,
     poisoned_bf16,
-    spread_keys,
+    random_keys,
 )
 
 from ._kv_cache_common import (
@@ -252,7 +253,7 @@ def test_gpu_block_outer_views_benchmark_sizes(name: str, gpu: torch.device) -> 
     n = num_blocks * block_size
     slots = torch.randperm(n, generator=g, device=gpu)
     slots[torch.rand(n, generator=g, device=gpu) < 0.02] = -1
-    k = spread_keys(n, generator=g, device=gpu)
+    k = random_keys(n, generator=g, device=gpu, spread=WIDE_SPREAD)
     before = group.raw.clone()
     want_raw = group.raw.clone()
     want_view = torch.as_strided(want_raw, view.shape, view.stride(), view.storage_offset())

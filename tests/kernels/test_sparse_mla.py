@@ -416,7 +416,7 @@ BAD_PAGED = {
     ),
     "2-D page too small": (
         dict(comp_cache=torch.zeros(2, 1000, dtype=torch.uint8)),
-        r"comp_cache must be \[num_pages, >= 1168\]",
+        r"comp_cache must be \[num_pages, >= 1728\]",
     ),
     "bad inner strides": (
         dict(

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .geometry import TOKEN_BYTES, page_stride_bytes
+
 INDEX_DTYPES = (torch.int32,)
 
 
@@ -105,3 +107,71 @@ def check_out(
         raise ValueError(f"{name} must have shape {want}, got {got}")
     if out.dim() > 0 and out.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension")
+
+
+def page_stride_of(cache: torch.Tensor, slots: int) -> int:
+    """Bytes between two pages of a paged FP8 cache view: ``stride(0)``, taken from the
+    tensor (vLLM's block-outer views put a whole block between two pages of one layer),
+    or ``page_stride_bytes(slots)`` for a cache of at most one page (whose stride(0) is
+    never used)."""
+    return int(cache.stride(0)) if cache.shape[0] > 1 else page_stride_bytes(slots)
+
+
+def page_bytes_view(cache: torch.Tensor, slots: int, stride: int) -> torch.Tensor:
+    """A 1-D uint8 view of every byte from page 0 to the end of the last page's data."""
+    num_pages = cache.shape[0]
+    extent = 0 if num_pages == 0 else (num_pages - 1) * stride + slots * TOKEN_BYTES
+    return torch.as_strided(cache, (extent,), (1,), cache.storage_offset())
+
+
+def check_page_cache(
+    name: str, cache: object, slots: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, int]:
+    """Validate a paged FP8 (UE8M0) cache view; return it and its page stride in bytes.
+
+    The one rule for every kernel: ``[num_pages, >= page]`` uint8 contiguous in its last
+    dimension, or a ``[num_pages, slots, 584]`` view with inner strides ``(584, 1)``,
+    where ``page = page_stride_bytes(slots)`` (``round_up(slots * 584, 576)``), with any
+    page stride ``stride(0) >= page`` (pages side by side, or vLLM's block-outer views,
+    where one block holds the pages of every layer of a group) and any storage offset.
+    Never synchronises.
+    """
+    c = check_tensor(name, cache, dtype=torch.uint8, ndim=(2, 3), device=device)
+    page = page_stride_bytes(slots)
+    if c.dim() == 2:
+        if c.shape[1] < page or c.stride(1) != 1:
+            raise ValueError(
+                f"{name} must be [num_pages, >= {page}] uint8 contiguous in its last dimension "
+                f"(page_stride_bytes({slots}) bytes per page of {slots} slots), got shape "
+                f"{tuple(c.shape)} and strides {c.stride()}"
+            )
+    elif (
+        tuple(c.shape[1:]) != (slots, TOKEN_BYTES)
+        or c.stride(2) != 1
+        or (slots > 1 and c.stride(1) != TOKEN_BYTES)
+    ):
+        raise ValueError(
+            f"a 3-D {name} must be a [num_pages, {slots}, {TOKEN_BYTES}] view with inner "
+            f"strides ({TOKEN_BYTES}, 1), got shape {tuple(c.shape)} and strides {c.stride()}"
+        )
+    stride = page_stride_of(c, slots)
+    if stride < page:
+        raise ValueError(
+            f"{name} page stride (stride(0)) must be >= {page} bytes: pages at least {page} "
+            f"bytes apart (page_stride_bytes({slots})), got stride(0) = {stride} for shape "
+            f"{tuple(c.shape)}"
+        )
+    return c, stride
+
+
+def check_block_table_width(
+    name: str, table: torch.Tensor, longest: int, slots: int, what: str
+) -> None:
+    """Check that ``table`` has a column for every page of the longest request:
+    ``ceil(longest / slots)`` (``what`` says where ``longest`` comes from)."""
+    need = -(-longest // slots)
+    if need > table.shape[1]:
+        raise ValueError(
+            f"{name} has {table.shape[1]} columns, narrower than the longest request needs "
+            f"(ceil({what} / {slots}) = {need})"
+        )

@@ -31,7 +31,9 @@ import triton
 
 from . import _triton_kv_cache as _k
 from ._validation import (
+    check_block_table_width,
     check_nonnegative_int,
+    check_page_cache,
     check_positive_int,
     check_tensor,
     interpreter_enabled,
@@ -44,26 +46,11 @@ from .geometry import (
     FP8_MAX_MANTISSA,
     HEAD_DIM,
     NOPE_DIM,
-    NUM_QUANT_BLOCKS,
-    QUANT_BLOCK,
     ROPE_DIM,
     SWA_BLOCK_SIZE,
-    TOKEN_BYTES,
-    TOKEN_DATA_BYTES,
-    TOKEN_SCALE_BYTES,
     UE8M0_BIAS,
+    kernel_layout,
     page_stride_bytes,
-)
-
-# The UE8M0 layout as the kernels' compile-time constants (one source: geometry).
-_LAYOUT = dict(
-    NOPE=NOPE_DIM,
-    ROPE=ROPE_DIM,
-    QBLOCK=QUANT_BLOCK,
-    NQ=NUM_QUANT_BLOCKS,
-    NQ_PAD=TOKEN_SCALE_BYTES,
-    DATA_BYTES=TOKEN_DATA_BYTES,
-    SCALE_BYTES=TOKEN_SCALE_BYTES,
 )
 
 __all__ = [
@@ -139,49 +126,11 @@ def empty_k_cache(
 
 
 def _check_k_cache(k_cache: object, block_size: int) -> tuple[torch.Tensor, int, int]:
-    """Validate the cache; return (cache, num_pages, bytes between pages). Never syncs.
-
-    Accepts a ``[num_pages, >= page]`` uint8 tensor contiguous in its last
-    dimension, or a ``[num_pages, block_size, 584]`` uint8 view with strides
-    ``(stride, 584, 1)``, where ``page = k_cache_page_stride(block_size)`` and
-    ``stride >= page``: pages of one layer side by side (``stride == page``),
-    or vLLM's block-outer views, where one block holds the pages of every
-    layer of a cache group and ``stride`` is the whole block.  Any storage
-    offset.  A single page's stride is never used (returned as ``page``).
-    """
+    """Validate the cache (:func:`._validation.check_page_cache`, the one rule for every
+    kernel); return (cache, num_pages, bytes between pages).  Never syncs."""
     check_positive_int("block_size", block_size)
-    cache = check_tensor("k_cache", k_cache, dtype=torch.uint8, ndim=(2, 3))
-    page = page_stride_bytes(block_size)
-    num_pages = cache.shape[0]
-    if cache.dim() == 2:
-        if cache.shape[1] < page:
-            raise ValueError(
-                f"k_cache must be [num_pages, >= {page}] uint8 (k_cache_page_stride({block_size}) "
-                f"bytes per page), got shape {tuple(cache.shape)}"
-            )
-        if cache.stride(1) != 1:
-            raise ValueError(
-                f"k_cache must be contiguous in its last dimension, got strides {cache.stride()}"
-            )
-    elif (
-        tuple(cache.shape[1:]) != (block_size, TOKEN_BYTES)
-        or cache.stride(2) != 1
-        or cache.stride(1) != TOKEN_BYTES
-    ):
-        raise ValueError(
-            f"a 3-D k_cache must be a [num_pages, {block_size}, {TOKEN_BYTES}] view with strides "
-            f"(>= {page}, {TOKEN_BYTES}, 1), got shape {tuple(cache.shape)} and strides "
-            f"{cache.stride()}"
-        )
-    if num_pages <= 1:
-        return cache, num_pages, page
-    stride = cache.stride(0)
-    if stride < page:
-        raise ValueError(
-            f"k_cache pages must be at least {page} bytes apart (k_cache_page_stride({block_size}))"
-            f", got stride(0) = {stride} for shape {tuple(cache.shape)}"
-        )
-    return cache, num_pages, stride
+    cache, stride = check_page_cache("k_cache", k_cache, block_size)
+    return cache, cache.shape[0], stride
 
 
 def quantize_and_insert_k_cache(
@@ -278,7 +227,7 @@ def _launch_insert(
         num_pages * block_size,
         SLOTS=block_size,
         PAGE_ALIGNED=stride % 16 == 0,
-        **_LAYOUT,
+        **kernel_layout(_k._quantize_and_insert_k_cache_kernel),
         FP8_MAX=FP8_MAX,
         FP8_MAX_EXP=FP8_MAX_EXP,
         FP8_MAX_MANTISSA=FP8_MAX_MANTISSA,
@@ -322,12 +271,8 @@ def _check_gather_values(
             f"out has {out_rows} rows per request, too short for offset + max(gather_lens) "
             f"= {offset} + {int(glen.max())} = {need_rows}"
         )
-    need_pages = -(-int(seq.max()) // block_size)
-    if need_pages > block_table.shape[1]:
-        raise ValueError(
-            f"block_table has {block_table.shape[1]} columns, narrower than the longest "
-            f"request needs (ceil({int(seq.max())} / block_size {block_size}) = {need_pages})"
-        )
+    longest = int(seq.max())
+    check_block_table_width("block_table", block_table, longest, block_size, f"{longest}")
 
 
 def dequantize_and_gather_k_cache(
@@ -463,7 +408,7 @@ def _launch_gather(
         cache.shape[0],
         SLOTS=block_size,
         PAGE_ALIGNED=stride % 16 == 0,
-        **_LAYOUT,
+        **kernel_layout(_k._dequantize_and_gather_k_cache_kernel),
         BIAS=UE8M0_BIAS,
         HAS_GATHER_LENS=gather_lens is not None,
         BLOCK_T=block_t,

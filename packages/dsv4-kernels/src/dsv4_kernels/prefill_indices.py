@@ -53,6 +53,7 @@ import triton
 from . import _triton_prefill_indices as _k
 from ._validation import (
     INDEX_DTYPES,
+    check_block_table_width,
     check_min_length,
     check_nonnegative_int,
     check_out,
@@ -60,7 +61,7 @@ from ._validation import (
     check_tensor,
     use_triton,
 )
-from .geometry import KV_BLOCK_SIZE, SWA_BLOCK_SIZE, WINDOW_SIZE
+from .geometry import SWA_BLOCK_SIZE, WINDOW_SIZE, slots_per_page
 from .reference.prefill_indices import GroupedPrefillIndices, PrefillIndices
 
 __all__ = [
@@ -120,12 +121,8 @@ def _check_values(
             f"{int(qlen[b])} for request {b}"
         )
     for name, table, bs, ratio in tables:
-        need = -(-int((seq // ratio).max()) // bs)
-        if need > table.shape[1]:
-            raise ValueError(
-                f"{name} has {table.shape[1]} columns, narrower than the longest request needs "
-                f"(ceil({int(seq.max())} // {ratio} / {bs}) = {need})"
-            )
+        longest = int((seq // ratio).max())
+        check_block_table_width(name, table, longest, bs, f"{int(seq.max())} // {ratio}")
 
 
 def build_prefill_indices(
@@ -282,7 +279,7 @@ def _build(
             raise ValueError(f"comp_block_table is needed for compress_ratio {ratio}")
         _check_block_table("comp_block_table", comp_block_table, num_reqs, device)
         if comp_block_size is None:
-            comp_block_size = KV_BLOCK_SIZE // ratio
+            comp_block_size = slots_per_page(ratio)
         check_positive_int("comp_block_size", comp_block_size)
         tables.append(("comp_block_table", comp_block_table, comp_block_size, ratio))
         if ratio == 4:
@@ -566,7 +563,7 @@ class PrefillIndexCase:
 
     @property
     def comp_block_size(self) -> int:
-        return KV_BLOCK_SIZE // self.compress_ratio if self.compress_ratio > 1 else 1
+        return slots_per_page(self.compress_ratio) if self.compress_ratio > 1 else 1
 
     def build(
         self,
@@ -653,7 +650,7 @@ def make_prefill_index_case(
     topk_indices = None
     width = 0
     if compress_ratio > 1:
-        bs = KV_BLOCK_SIZE // compress_ratio
+        bs = slots_per_page(compress_ratio)
         entries = seq // compress_ratio
         comp_table, comp_num = _random_tables(
             [-(-int(e) // bs) for e in entries], extra_table_cols, g

@@ -43,6 +43,7 @@ import triton
 from . import _triton_sparse_mla as _k
 from ._validation import (
     check_out,
+    check_page_cache,
     check_positive_int,
     check_tensor,
     interpreter_enabled,
@@ -51,12 +52,9 @@ from ._validation import (
 from .geometry import (
     HEAD_DIM,
     NOPE_DIM,
-    NUM_QUANT_BLOCKS,
-    QUANT_BLOCK,
-    TOKEN_BYTES,
     TOKEN_DATA_BYTES,
     TOKEN_SCALE_BYTES,
-    page_stride_bytes,
+    kernel_layout,
 )
 from .reference.prefill_indices import expand_grouped_rows
 
@@ -64,16 +62,8 @@ __all__ = ["MAX_HEADS", "sparse_mla_paged", "sparse_mla_workspace"]
 
 MAX_HEADS = 128
 
-# The UE8M0 layout as the kernel's compile-time constants (one source: geometry).
-_LAYOUT = dict(
-    HEAD_DIM=HEAD_DIM,
-    NOPE=NOPE_DIM,
-    QBLOCK=QUANT_BLOCK,
-    NQ=NUM_QUANT_BLOCKS,
-    NQ_PAD=TOKEN_SCALE_BYTES,
-    DATA_BYTES=TOKEN_DATA_BYTES,
-    SCALE_BYTES=TOKEN_SCALE_BYTES,
-)
+# The UE8M0 layout constants the Triton kernel takes (one source: geometry).
+_LAYOUT = kernel_layout(_k._sparse_mla_kernel)
 
 # Tile sizes (compile-time constants): see docs/attention.md for the H200 sweep.
 MMA_MIN_M = 16  # tl.dot's smallest M: heads are padded to this inside the kernel
@@ -328,38 +318,9 @@ def _check_scale(scale: object) -> float:
 
 
 def _check_page_cache(name: str, cache: object, block_size: int, device: torch.device) -> int:
-    """Validate a paged FP8 cache view; return its page stride in bytes. Never syncs.
-
-    ``[num_pages, page_bytes]`` or ``[num_pages, block_size, 584]`` uint8, with
-    any page stride ``stride(0) >= round_up(block_size * 584, 576)`` (vLLM's
-    block-outer views hold several layers' pages per block).
-    """
-    c = check_tensor(name, cache, dtype=torch.uint8, ndim=(2, 3), device=device)
-    page_bytes = page_stride_bytes(block_size)
-    num_pages = c.shape[0]
-    if c.dim() == 2:
-        if c.shape[1] < block_size * TOKEN_BYTES or (c.shape[1] > 1 and c.stride(1) != 1):
-            raise ValueError(
-                f"{name} must be [num_pages, >= {block_size * TOKEN_BYTES}] uint8 contiguous in "
-                f"its last dimension (pages of {block_size} slots), got shape {tuple(c.shape)} "
-                f"and strides {c.stride()}"
-            )
-    elif (
-        tuple(c.shape[1:]) != (block_size, TOKEN_BYTES)
-        or c.stride(2) != 1
-        or (block_size > 1 and c.stride(1) != TOKEN_BYTES)
-    ):
-        raise ValueError(
-            f"a 3-D {name} must be a [num_pages, {block_size}, {TOKEN_BYTES}] view with inner "
-            f"strides ({TOKEN_BYTES}, 1), got shape {tuple(c.shape)} and strides {c.stride()}"
-        )
-    stride = c.stride(0) if num_pages > 1 else page_bytes
-    if stride < page_bytes:
-        raise ValueError(
-            f"{name} page stride (stride(0)) must be >= {page_bytes} bytes "
-            f"(round_up({block_size} * {TOKEN_BYTES}, {TOKEN_DATA_BYTES})), got {stride}"
-        )
-    return stride
+    """Validate a paged FP8 cache view (:func:`._validation.check_page_cache`, the one
+    rule for every kernel); return its page stride in bytes.  Never syncs."""
+    return check_page_cache(name, cache, block_size, device)[1]
 
 
 def _check_rows(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .._validation import page_bytes_view, page_stride_of
 from ..geometry import (
     AMAX_FLOOR,
     FP8_MAX,
@@ -20,11 +21,9 @@ from ..geometry import (
     NUM_QUANT_BLOCKS,
     QUANT_BLOCK,
     SWA_BLOCK_SIZE,
-    TOKEN_BYTES,
     TOKEN_DATA_BYTES,
     TOKEN_SCALE_BYTES,
     UE8M0_BIAS,
-    page_stride_bytes,
 )
 
 __all__ = [
@@ -36,25 +35,6 @@ __all__ = [
 
 _F32_MANTISSA_BITS = 23
 _F32_MANTISSA_MASK = (1 << _F32_MANTISSA_BITS) - 1
-
-
-def _page_stride(k_cache: torch.Tensor, block_size: int) -> int:
-    """Bytes between the cache's pages: ``k_cache.stride(0)`` (a single page: the page size).
-
-    vLLM's block-outer views put a whole block (every layer's page) between
-    two pages of one layer, so the stride is taken from the tensor, never
-    assumed.
-    """
-    if k_cache.shape[0] <= 1:
-        return page_stride_bytes(block_size)
-    return int(k_cache.stride(0))
-
-
-def _flat_bytes(k_cache: torch.Tensor, block_size: int, stride: int) -> torch.Tensor:
-    """A 1-D uint8 view of every byte from page 0 to the end of the last page's data."""
-    num_pages = k_cache.shape[0]
-    extent = 0 if num_pages == 0 else (num_pages - 1) * stride + block_size * TOKEN_BYTES
-    return torch.as_strided(k_cache, (extent,), (1,), k_cache.storage_offset())
 
 
 def ue8m0_exponents(amax: torch.Tensor) -> torch.Tensor:
@@ -109,10 +89,10 @@ def quantize_and_insert_k_cache(
     rope = kk[:, NOPE_DIM:].contiguous().view(torch.uint8)  # [n, 128]
     data = torch.cat([codes, rope], dim=1)  # [n, 576]
 
-    stride = _page_stride(k_cache, block_size)
+    stride = page_stride_of(k_cache, block_size)
     page, in_page = slots // block_size, slots % block_size
     base = page * stride  # int64
-    flat = _flat_bytes(k_cache, block_size, stride)
+    flat = page_bytes_view(k_cache, block_size, stride)
     data_at = (base + in_page * TOKEN_DATA_BYTES).unsqueeze(1) + torch.arange(
         TOKEN_DATA_BYTES, device=k.device
     )
@@ -159,9 +139,9 @@ def dequantize_and_gather_k_cache(
     page = page[b_idx, i_idx]
     in_page = pos[b_idx, i_idx] % block_size
 
-    stride = _page_stride(k_cache, block_size)
+    stride = page_stride_of(k_cache, block_size)
     base = page * stride  # int64
-    flat = _flat_bytes(k_cache, block_size, stride)
+    flat = page_bytes_view(k_cache, block_size, stride)
     data = flat[
         (base + in_page * TOKEN_DATA_BYTES).unsqueeze(1)
         + torch.arange(TOKEN_DATA_BYTES, device=dev)

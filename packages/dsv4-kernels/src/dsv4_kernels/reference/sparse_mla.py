@@ -20,15 +20,14 @@ from collections.abc import Callable
 
 import torch
 
+from .._validation import page_bytes_view, page_stride_of
 from ..geometry import (
     HEAD_DIM,
     NOPE_DIM,
     NUM_QUANT_BLOCKS,
     QUANT_BLOCK,
-    TOKEN_BYTES,
     TOKEN_DATA_BYTES,
     TOKEN_SCALE_BYTES,
-    page_stride_bytes,
 )
 
 __all__ = ["dequantize_slots", "sparse_mla_paged", "sparse_mla_workspace"]
@@ -39,10 +38,8 @@ _CHUNK_ELEMS = 1 << 25
 
 def _flat_pages(cache: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
     """(1-D uint8 view of every byte the pages address, page stride in bytes)."""
-    num_pages = cache.shape[0]
-    stride = cache.stride(0) if num_pages > 1 else page_stride_bytes(block_size)
-    extent = 0 if num_pages == 0 else (num_pages - 1) * stride + block_size * TOKEN_BYTES
-    return torch.as_strided(cache, (extent,), (1,), cache.storage_offset()), stride
+    stride = page_stride_of(cache, block_size)
+    return page_bytes_view(cache, block_size, stride), stride
 
 
 def dequantize_slots(cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -51,6 +51,7 @@ from ..geometry import (
 from .common import generator as make_generator
 
 __all__ = [
+    "WIDE_SPREAD",
     "BlockOuterGroup",
     "assert_same_bytes",
     "block_outer_k_cache_group",
@@ -59,14 +60,19 @@ __all__ = [
     "fill_every_slot",
     "poisoned_bf16",
     "poisoned_k_cache",
-    "spread_keys",
+    "random_keys",
 ]
 
 
-def spread_keys(
-    n: int, *, generator: torch.Generator, device: torch.device | str, spread: int = 20
+# Exponent spread of the keys the K-cache checks write (wide: many UE8M0 scales).
+WIDE_SPREAD = 20
+
+
+def random_keys(
+    n: int, *, generator: torch.Generator, device: torch.device | str, spread: int = 2
 ) -> torch.Tensor:
-    """``[n, 512]`` bf16 keys, each 64-value block scaled by ``2**U(-spread, spread)``."""
+    """``[n, 512]`` bf16 keys, each 64-value block scaled by ``2**U(-spread, spread)``
+    (the K-cache checks pass ``spread=WIDE_SPREAD``)."""
     blocks = NUM_QUANT_BLOCKS + 1
     x = torch.randn(n, blocks, QUANT_BLOCK, generator=generator, device=device)
     e = torch.randint(-spread, spread + 1, (n, blocks, 1), generator=generator, device=device)
@@ -113,14 +119,15 @@ def edge_case_keys(n: int, seed: int) -> torch.Tensor:
 def fill_every_slot(
     cache: torch.Tensor, block_size: int, *, generator: torch.Generator
 ) -> torch.Tensor:
-    """Write :func:`spread_keys` into every slot of ``cache`` (our insert); return the keys.
+    """Write :func:`random_keys` (``spread=WIDE_SPREAD``) into every slot of ``cache``
+    (our insert); return the keys.
 
     Slot ``s`` holds key ``s``: ``[cache.shape[0] * block_size, 512]`` bf16.
     """
     from ..kv_cache import quantize_and_insert_k_cache
 
     n = cache.shape[0] * block_size
-    keys = spread_keys(n, generator=generator, device=cache.device)
+    keys = random_keys(n, generator=generator, device=cache.device, spread=WIDE_SPREAD)
     quantize_and_insert_k_cache(keys, cache, torch.arange(n, device=cache.device), block_size)
     return keys
 

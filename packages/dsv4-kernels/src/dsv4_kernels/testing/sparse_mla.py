@@ -15,7 +15,8 @@ import dataclasses
 
 import torch
 
-from ..geometry import HEAD_DIM, NUM_QUANT_BLOCKS, QUANT_BLOCK, TOKEN_BYTES, page_stride_bytes
+from ..geometry import HEAD_DIM, TOKEN_BYTES, page_stride_bytes
+from .k_cache import random_keys
 
 __all__ = [
     "PagedCache",
@@ -34,16 +35,6 @@ def random_q(
     """``[T, H, 512]`` bf16 queries, standard normal (scores of std ~1 at scale 512**-0.5)."""
     q = torch.randn(num_tokens, num_heads, HEAD_DIM, generator=generator, device=device)
     return q.to(torch.bfloat16)
-
-
-def random_keys(
-    n: int, *, generator: torch.Generator, device: torch.device | str, spread: int = 2
-) -> torch.Tensor:
-    """``[n, 512]`` bf16 keys, each 64-value block scaled by ``2**U(-spread, spread)``."""
-    blocks = NUM_QUANT_BLOCKS + 1
-    x = torch.randn(n, blocks, QUANT_BLOCK, generator=generator, device=device)
-    e = torch.randint(-spread, spread + 1, (n, blocks, 1), generator=generator, device=device)
-    return (x * torch.exp2(e.float())).reshape(n, HEAD_DIM).to(torch.bfloat16)
 
 
 def random_sink(
