@@ -87,12 +87,11 @@ def compile_variant(
     from dsv4_kernels import _triton_sparse_mla as k
     from dsv4_kernels import sparse_mla as sm
 
-    from .cases_sparse_mla import MATRIX, make_inputs
-    from .sweep_sparse_mla import _cls, _set, _tiny
+    from .inputs_sparse_mla import MATRIX, make_inputs
+    from .sweep_sparse_mla import _cls, _tiny
 
     shape = next(s for s in MATRIX if s.name.startswith(case))
     compiled: list[tuple[str, Any]] = []
-    saved_tiles = sm.TILES
     saved = (sm._hopper_runs_wgmma, sm.use_triton, g._sparse_mla_wgmma_kernel, k._sparse_mla_kernel)
     try:
         # the CPU tensors stand for an H100/H200's: the call's own checks still choose
@@ -100,9 +99,8 @@ def compile_variant(
         sm.use_triton = lambda device: True  # type: ignore[assignment]
         g._sparse_mla_wgmma_kernel = _Offline(saved[2], compiled)  # type: ignore[assignment]
         k._sparse_mla_kernel = _Offline(saved[3], compiled)  # type: ignore[assignment]
-        if tiles is not None:
-            _set(_cls(shape.heads), tiles)
-        inp = make_inputs(_tiny(shape), torch.device("cpu"), 1)
+        table = None if tiles is None else {_cls(shape.heads): tiles}
+        inp = make_inputs(_tiny(shape), torch.device("cpu"), 1, tiles=table)
         T, H, _ = inp.q.shape
         out = torch.empty((T, H, 512), dtype=torch.bfloat16)
         lse = torch.empty((T, H), dtype=torch.float32)
@@ -111,7 +109,6 @@ def compile_variant(
         else:
             inp.run_paged(out, lse)
     finally:
-        sm.TILES = saved_tiles
         sm._hopper_runs_wgmma, sm.use_triton = saved[0], saved[1]  # type: ignore[assignment]
         g._sparse_mla_wgmma_kernel, k._sparse_mla_kernel = saved[2], saved[3]  # type: ignore
     return compiled

@@ -26,7 +26,7 @@ import dsv4_kernels.sparse_mla as sm
 from dsv4_kernels.testing import sparse_mla as ts
 
 from .cases_metadata import fresh_seed
-from .cases_sparse_mla import (
+from .inputs_sparse_mla import (
     MATRIX,
     SCALE,
     assert_close_attention,
@@ -71,7 +71,8 @@ def main() -> None:
         for size, reg_a in variants:
             if sm.group_rows(H, size) > sm.MAX_GROUP_ROWS or (size == 1 and reg_a):
                 continue
-            sm.TILES["small"]["REG_A_G"] = reg_a
+            tiles = {"small": {**sm.TILES["small"], "REG_A_G": reg_a}}
+            inp.tiles = tiles
 
             def build(size: int = size) -> dk.GroupedPrefillIndices:
                 if size == 1:
@@ -95,7 +96,7 @@ def main() -> None:
                               comp_block_size=inp.comp_block_size)  # fmt: skip
                 dk.sparse_mla_paged(
                     inp.q, inp.swa_cache, gr.window, gr.window_lens, SCALE, leads=gr.leads,
-                    group_size=size, swa_starts=gr.window_starts, **kw,
+                    group_size=size, swa_starts=gr.window_starts, tiles=tiles, **kw,
                 )  # fmt: skip
 
             gr = build()

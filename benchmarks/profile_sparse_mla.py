@@ -10,12 +10,15 @@
   --launches 2`` and read with ``ncu --import prof.ncu-rep --page details`` and
   ``--page source --print-source sass --csv``, summarised by ``--summarise FILE``
   (no GPU needed for that).
-* ``--ablate``: time the default kernel against copies of itself that leave one
-  stage out (the copies are built by swapping the kernel module's helpers in a
-  fresh process each, so the shipped kernel is never touched):
+* ``--ablate``: time the default kernel against variants that leave one stage out
+  (each in a fresh process; the shipped kernel is never touched):
 
-  - ``no-gather``: keys are not loaded (an index row's first key reused for all);
-  - ``no-dequant``: the FP8 codes become keys by a plain integer conversion;
+  - ``no-gather``: the keys' bytes are not gathered from all over the cache: every
+    tile of an index row repeats the row's first ``BLOCK_N`` slots (same lengths and
+    holes), so each tile's bytes are the first tile's, already in L1 (the rows are
+    changed, not the kernel);
+  - ``no-dequant`` (a copy of the kernel module's ``_keys_from_raw`` swapped in):
+    the FP8 codes become keys by a plain integer conversion;
   - with ``--wgmma``, the Gluon wgmma kernel as it is (``wgmma``) and with its
     dequantisation replaced by one hardware conversion per two codes and no
     scale (``wgmma-convert-only``: what holding the tile in f16 would cost).
@@ -40,7 +43,7 @@ from typing import Any
 import torch
 
 from .cases_metadata import fresh_seed
-from .cases_sparse_mla import (
+from .inputs_sparse_mla import (
     MATRIX,
     assert_close_attention,
     check_tokens,
@@ -97,71 +100,37 @@ def _patch(kind: str) -> None:
 
         k._keys_from_raw = keys_int
     elif kind == "no-gather":
-        orig = k._load_raw
-
-        @triton.jit
-        def load_first(
-            src_ptr,
-            idx_row_ptr,
-            start,
-            length,
-            row_stride,
-            num_rows,
-            SLOTS: tl.constexpr,
-            PAGED: tl.constexpr,
-            ALIGNED: tl.constexpr,
-            HEAD_DIM: tl.constexpr,
-            NOPE: tl.constexpr,
-            QBLOCK: tl.constexpr,
-            NQ: tl.constexpr,
-            NQ_PAD: tl.constexpr,
-            DATA_BYTES: tl.constexpr,
-            SCALE_BYTES: tl.constexpr,
-            BLOCK_N: tl.constexpr,
-            WORDS: tl.constexpr = False,
-        ):
-            # every tile reads keys 0 .. BLOCK_N of the row: one tile's bytes, L1-resident
-            ok, a, b, sb = orig(
-                src_ptr,
-                idx_row_ptr,
-                0,
-                length,
-                row_stride,
-                num_rows,
-                SLOTS,
-                PAGED,
-                ALIGNED,
-                HEAD_DIM,
-                NOPE,
-                QBLOCK,
-                NQ,
-                NQ_PAD,
-                DATA_BYTES,
-                SCALE_BYTES,
-                BLOCK_N,
-                WORDS,
-            )
-            n = tl.arange(0, BLOCK_N)
-            return ok & (start + n < length), a, b, sb
-
-        k._load_raw = load_first
+        return  # the index rows change instead (_first_tile_only)
     else:
         raise ValueError(f"unknown ablation {kind!r}")
+
+
+def _first_tile_only(rows: torch.Tensor | None, block_n: int) -> None:
+    """Make every ``block_n``-column tile of each index row repeat the row's first tile."""
+    if rows is None or rows.shape[1] <= block_n:
+        return
+    reps = -(-rows.shape[1] // block_n)
+    rows.copy_(rows[:, :block_n].repeat(1, reps)[:, : rows.shape[1]].clone())
 
 
 def _time_one(job: tuple[str, str, int]) -> dict[str, Any]:
     kind, case, rep = job
     import triton.testing
 
-    from dsv4_kernels import sparse_mla as sm
+    from dsv4_kernels.sparse_mla import TILES
 
+    tiles = None
     if not kind.startswith("wgmma"):  # the Triton kernel's ablations
-        sm.TILES = {**sm.TILES, "small": {**sm.TILES["small"], "KERNEL": 0}}
+        tiles = {"small": {**TILES["small"], "KERNEL": 0}}
     _patch(kind)
     shape = next(s for s in MATRIX if s.name == case)
     device = torch.device("cuda")
     seed = fresh_seed()
-    inp = make_inputs(shape, device, seed)
+    inp = make_inputs(shape, device, seed, tiles=tiles)
+    if kind == "no-gather":
+        block_n = (tiles or TILES)["small" if shape.heads <= 16 else "large"]["BLOCK_N"]
+        _first_tile_only(inp.rows.window, block_n)
+        _first_tile_only(inp.rows.comp, block_n)
     T, H, _ = inp.q.shape
     out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=device)
     lse = torch.empty((T, H), dtype=torch.float32, device=device)
@@ -246,14 +215,15 @@ def main(argv: list[str] | None = None) -> int:
                 row = pool.map(_time_one, [(kind, args.case, args.rep_ms)])[0]
             print(json.dumps(row), flush=True)
         return 0
+    tiles = None
     if args.tiles:
-        from dsv4_kernels import sparse_mla as sm
+        from dsv4_kernels.sparse_mla import TILES
 
         extra = {k: int(v) for k, v in (kv.split("=") for kv in args.tiles.split(","))}
-        sm.TILES = {**sm.TILES, "small": {**sm.TILES["small"], **extra}}
+        tiles = {"small": {**TILES["small"], **extra}}
     shape = next(s for s in MATRIX if s.name == args.case)
     device = torch.device("cuda")
-    inp = make_inputs(shape, device, fresh_seed())
+    inp = make_inputs(shape, device, fresh_seed(), tiles=tiles)
     T, H, _ = inp.q.shape
     out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=device)
     lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=device)

@@ -1,11 +1,14 @@
 """Sparse MLA kernel variants, timed against each other on the 1 x 16,384-token cases (GPU).
 
+The one tile sweep of the sparse MLA kernels (``cases_sparse_mla.py --sweep`` is gone):
+each variant's tiles go to the kernels as their ``tiles=`` argument.
+
 ``python -m benchmarks.sweep_sparse_mla [--out DIR] [--rep-ms N] [--cases a,b]
 [--variants x,y] [--tiny]``
 
 For each case (C4A Flash TP8, C4A Pro TP8, SWA Flash TP8 and C4A Flash DP at a
 131,072-token context; the workspace path too on the first) and each variant of
-:data:`VARIANTS` (tiles of :data:`dsv4_kernels.sparse_mla.TILES`' form), the
+:data:`VARIANTS` (one head class's entry of :data:`dsv4_kernels.sparse_mla.TILES`), the
 outputs are poisoned, the kernel runs,
 every element must be written and NaN-free and a strided sample of 256 tokens
 must match the float32 reference; then ``triton.testing.do_bench`` times it.
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 
 from .cases_metadata import fresh_seed
-from .cases_sparse_mla import (
+from .inputs_sparse_mla import (
     MATRIX,
     AttnShape,
     assert_close_attention,
@@ -79,12 +82,6 @@ def _cls(heads: int) -> str:
     return "small" if heads <= sm.SMALL_HEADS else "large"
 
 
-def _set(cls: str, tiles: dict[str, int]) -> None:
-    from dsv4_kernels import sparse_mla as sm
-
-    sm.TILES = {**sm.TILES, cls: dict(tiles)}
-
-
 def _tiny(shape: AttnShape) -> AttnShape:
     """Same compile-time shape (layer, head count, page sizes), a few tokens."""
     return AttnShape(shape.name + "-tiny", shape.layer, 1, 8, 1024, shape.heads, shape.topk)
@@ -94,8 +91,7 @@ def _warm(job: tuple[AttnShape, dict[str, int], bool]) -> str:
     shape, tiles, workspace = job
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        _set(_cls(shape.heads), tiles)
-        inp = make_inputs(_tiny(shape), device, 1)
+        inp = make_inputs(_tiny(shape), device, 1, tiles={_cls(shape.heads): tiles})
         T, H, _ = inp.q.shape
         out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=device)
         lse = torch.empty((T, H), dtype=torch.float32, device=device)
@@ -180,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if shape is shapes[0]:
             runs += [(n, t, True) for n, t in VARIANTS[cls] if n in WORKSPACE_VARIANTS]
         for name, tiles, ws in runs:
-            _set(cls, tiles)
+            inp.tiles = {cls: tiles}
             row: dict[str, Any] = dict(
                 case=shape.name, heads=H, seed=seed, variant=name, tiles=tiles, workspace=ws
             )

@@ -19,10 +19,10 @@ import torch
 import dsv4_kernels as dk
 from dsv4_kernels import reference as ref
 from dsv4_kernels import sparse_mla as sm
-from dsv4_kernels.prefill_indices import make_prefill_index_case
 from dsv4_kernels.reference.prefill_indices import expand_grouped_rows
 from dsv4_kernels.testing import fresh_seed, generator
 from dsv4_kernels.testing import sparse_mla as ts
+from dsv4_kernels.testing.prefill_indices import make_prefill_index_case
 
 from ._prefill_indices_cases import WINDOW, WINDOW_BS, Case, make_case
 

@@ -22,8 +22,8 @@ import torch
 
 import dsv4_kernels as dk
 from dsv4_kernels import reference as ref
-from dsv4_kernels.prefill_indices import make_prefill_index_case
 from dsv4_kernels.testing import POISON, fresh_seed
+from dsv4_kernels.testing.prefill_indices import make_prefill_index_case
 
 from ._prefill_indices_cases import WINDOW, Case, make_case, spec_rows
 

@@ -10,8 +10,8 @@ import torch
 import dsv4_kernels as dk
 from dsv4_kernels import _triton_prefill_indices as kernels
 from dsv4_kernels import reference as ref
-from dsv4_kernels.prefill_indices import PrefillIndexCase, make_prefill_index_case
 from dsv4_kernels.testing import POISON, fresh_seed
+from dsv4_kernels.testing.prefill_indices import PrefillIndexCase, make_prefill_index_case
 
 from ._prefill_indices_cases import make_case
 

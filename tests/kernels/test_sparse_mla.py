@@ -511,14 +511,9 @@ def test_workspace_bad_input_raises(name: str) -> None:
     ids=["16-heads-no-prefetch", "16-heads-prefetch", "32-heads-prefetch"],
 )
 @pytest.mark.parametrize("H", [5, 40])
-def test_tile_variants_and_head_blocks(
-    tiles: dict, H: int, kernel_device: torch.device, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_tile_variants_and_head_blocks(tiles: dict, H: int, kernel_device: torch.device) -> None:
     """Several head blocks per token (H = 40 in blocks of 16 or 32), with and without the
-    prefetch of the next key tile, give the spec's result."""
-    from dsv4_kernels import sparse_mla as sm
-
-    monkeypatch.setattr(sm, "TILES", {"small": tiles, "large": tiles})
+    prefetch of the next key tile, give the spec's result (tiles passed as the argument)."""
     seed = fresh_seed()
     g, swa, comp, a_idx, a_len, b_idx, b_len = _case(kernel_device, seed, layers=2, T=3)
     q = ts.random_q(a_idx.shape[0], H, generator=g, device=kernel_device)
@@ -538,6 +533,7 @@ def test_tile_variants_and_head_blocks(
         comp_block_size=2,
         out=out,
         lse=lse,
+        tiles={"small": tiles, "large": tiles},
     )
     sources = [(swa.values, a_idx, a_len), (comp.values, b_idx, b_len)]
     _check(out, lse, spec(q, sources, SCALE, sink))

@@ -428,7 +428,7 @@ def test_grouped_rows_with_requests_inside_groups(
     """Requests shorter than a group and starting inside one (several leaders per group),
     empty requests, cached prefixes: every token against the float32 reference."""
     from dsv4_kernels import reference as ref
-    from dsv4_kernels.prefill_indices import make_prefill_index_case
+    from dsv4_kernels.testing.prefill_indices import make_prefill_index_case
 
     seed = fresh_seed()
     g = torch.Generator(device=gpu).manual_seed(seed)

@@ -33,6 +33,7 @@ import warnings
 import torch
 import triton
 
+from . import _sparse_mla_checks as _checks
 from . import _triton_decode as _k
 from . import sparse_mla as _sm
 from ._validation import (
@@ -255,13 +256,13 @@ def sparse_mla_decode(
         ValueError: naming the argument, as :func:`dsv4_kernels.sparse_mla_paged`,
             and for a scratch too small for the call.
     """
-    q = _sm._check_q(q)
+    q = _checks._check_q(q)
     device = q.device
     T, H, _ = q.shape
-    scale = _sm._check_scale(scale)
+    scale = _checks._check_scale(scale)
     check_positive_int("swa_block_size", swa_block_size)
-    a_stride = _sm._check_page_cache("swa_cache", swa_cache, swa_block_size, device)
-    a_idx, a_lens = _sm._check_rows("swa_indices", swa_indices, "swa_lens", swa_lens, T, device)
+    a_stride = _checks._check_page_cache("swa_cache", swa_cache, swa_block_size, device)
+    a_idx, a_lens = _checks._check_rows("swa_indices", swa_indices, "swa_lens", swa_lens, T, device)
     comp_given = [x is not None for x in (comp_cache, comp_indices, comp_block_size)]
     if any(comp_given) and not all(comp_given):
         raise ValueError(
@@ -275,8 +276,8 @@ def sparse_mla_decode(
     if comp_cache is not None:
         assert comp_block_size is not None
         check_positive_int("comp_block_size", comp_block_size)
-        b_stride = _sm._check_page_cache("comp_cache", comp_cache, comp_block_size, device)
-        b_idx, b_lens = _sm._check_rows(
+        b_stride = _checks._check_page_cache("comp_cache", comp_cache, comp_block_size, device)
+        b_idx, b_lens = _checks._check_rows(
             "comp_indices", comp_indices, "comp_lens", comp_lens, T, device
         )
         b_width = b_idx.shape[1]

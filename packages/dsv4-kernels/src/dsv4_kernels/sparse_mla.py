@@ -28,22 +28,48 @@ Grouped rows (``leads``: SWA-only and C128A layers, whose neighbouring tokens sh
 keys; :func:`dsv4_kernels.build_grouped_prefill_indices`) let the wgmma kernel load
 and dequantise each key once for a group of tokens (:func:`prefill_group_size`);
 every other path expands them to the equivalent per-token rows.
+
+Over 500 lines on purpose: the public wrappers, the kernel choice with its
+process-wide fallback record (``_WGMMA_BROKEN``, :func:`wgmma_available`) and the two
+launchers stay in one module because they look each other up here, where the tests of
+both packages replace them (``monkeypatch`` on this module).  The argument checks are
+in :mod:`._sparse_mla_checks`, the tile table (the measured defaults, passed as
+``tiles=``) and the grouping limit in :mod:`._sparse_mla_tiles`, the kernels in
+:mod:`._triton_sparse_mla` and :mod:`._gluon_sparse_mla`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import triton
 
 from . import _triton_sparse_mla as _k
+from ._sparse_mla_checks import (
+    MAX_HEADS,
+    _check_groups,
+    _check_page_cache,
+    _check_q,
+    _check_rows,
+    _check_scale,
+    _check_sink_and_outputs,
+    _Grouping,
+)
+from ._sparse_mla_tiles import (
+    MAX_GROUP_ROWS,
+    SMALL_HEADS,
+    TILES,
+    TileTable,
+    group_rows,
+    head_class,
+)
+from ._sparse_mla_tiles import MMA_MIN_M as MMA_MIN_M  # re-exported
+from ._sparse_mla_tiles import block_h as _block_h
 from ._validation import (
-    check_out,
-    check_page_cache,
     check_positive_int,
     check_tensor,
     interpreter_enabled,
@@ -51,64 +77,21 @@ from ._validation import (
 )
 from .geometry import (
     HEAD_DIM,
-    NOPE_DIM,
     TOKEN_DATA_BYTES,
     TOKEN_SCALE_BYTES,
     kernel_layout,
 )
 from .reference.prefill_indices import expand_grouped_rows
 
-__all__ = ["MAX_HEADS", "sparse_mla_paged", "sparse_mla_workspace"]
-
-MAX_HEADS = 128
+__all__ = ["MAX_HEADS", "TILES", "sparse_mla_paged", "sparse_mla_workspace"]
 
 # The UE8M0 layout constants the Triton kernel takes (one source: geometry).
 _LAYOUT = kernel_layout(_k._sparse_mla_kernel)
 
-# Tile sizes (compile-time constants): see docs/attention.md for the H200 sweep.
-MMA_MIN_M = 16  # tl.dot's smallest M: heads are padded to this inside the kernel
-# Per head count: up to SMALL_HEADS heads (TP8: 8 for V4-Flash, 16 for V4-Pro)
-# one program per token; more heads (DP: 64, 128) split into blocks of
-# MAX_BLOCK_H.  BLOCK_N keys per tile; PREFETCH requests the next tile's bytes
-# before this tile's math; BF16_DEQUANT dequantises with (exact) bf16
-# multiplies (float32 under the interpreter, whose bf16 arithmetic is wrong);
-# NUM_STAGES is Triton's own loop pipelining (1: off).  The prefetch applies to
-# FP8 pages only: a bf16 workspace tile is too large to hold twice.
-# ASM (absent: off) reads the FP8 codes as int32 words and dequantises them in inline
-# PTX; MAXNREG caps registers per thread.  Both are for sweeps: on the H200 they were
-# slower at 8/16 heads in the Triton kernel (docs/attention.md, run 6).
-# KERNEL=2 runs the Gluon wgmma kernel (:mod:`._gluon_sparse_mla`) where it can run
-# (Hopper, up to 16 heads, 16-byte aligned FP8 pages; else the Triton kernel), with
-# ASYNC_PV (the P V product overlapping the next tile's loads) and MAXNREG_H8, a
-# register cap for up to 8 heads that lets three programs share a multiprocessor
-# (the shared memory allows three at 8 heads, two at 16).  REG_A (REG_A_H8: at up to 8
-# heads) computes S = K q^T with each dequantised block of K as wgmma's register
-# operand, so the tile is read from shared memory once (for P V), not twice; IO_VEC
-# (default on) moves q and out in 16-byte accesses where their strides allow.  H200
-# runs 7-12 in docs/attention.md.
-SMALL_HEADS = 16
-TILES: dict[str, dict[str, int]] = {
-    "small": dict(
-        MAX_BLOCK_H=64,
-        BLOCK_N=32,
-        NUM_WARPS=4,
-        NUM_STAGES=1,
-        PREFETCH=1,
-        BF16_DEQUANT=0,
-        KERNEL=2,
-        ASYNC_PV=1,
-        MAXNREG_H8=168,
-        REG_A_H8=1,
-    ),
-    "large": dict(
-        MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=1, PREFETCH=0, BF16_DEQUANT=1
-    ),
-}
-
 _LOG2E = 1.4426950408889634
 
 
-def _wgmma_ok(q: torch.Tensor, tiles: dict[str, int], paged: bool, aligned: bool) -> bool:
+def _wgmma_ok(q: torch.Tensor, tiles: Mapping[str, int], paged: bool, aligned: bool) -> bool:
     """Whether the Gluon wgmma kernel (:mod:`._gluon_sparse_mla`) runs this call: a tile
     naming ``KERNEL=2`` (wgmma), up to 16 heads, FP8 pages with 16-byte aligned rows,
     a CUDA device of compute capability 9.x and a Triton with Gluon's Hopper API."""
@@ -160,7 +143,7 @@ def _launch_wgmma(
     H: int,
     args: tuple[Any, ...],
     meta: dict[str, Any],
-    tiles: dict[str, int],
+    tiles: Mapping[str, int],
     grouping: _Grouping | None = None,
 ) -> bool:
     """Launch the wgmma kernel; False (after one warning) when it does not compile with
@@ -216,63 +199,28 @@ def _launch_wgmma(
     return True
 
 
-_Grouping = tuple[torch.Tensor, int, "torch.Tensor | None", "torch.Tensor | None"]
-# The most MMA rows (a group's tokens x heads padded to 8 or 16) the wgmma kernel takes.
-MAX_GROUP_ROWS = 32
+def _tiles(num_heads: int, tiles: TileTable | None) -> Mapping[str, int]:
+    """One launch's tile constants: the head class's entry of ``tiles``, else the measured
+    default (:data:`TILES`)."""
+    cls = head_class(num_heads)
+    if tiles is not None and cls in tiles:
+        return tiles[cls]
+    return TILES[cls]
 
 
-def group_rows(num_heads: int, group_size: int) -> int:
-    """MMA rows of a group in the wgmma kernel: ``group_size`` x heads padded to 8 or 16."""
-    return group_size * (8 if num_heads <= 8 else 16)
-
-
-def _groups_run(q: torch.Tensor) -> bool:
+def _groups_run(q: torch.Tensor, tiles: TileTable | None = None) -> bool:
     """Whether grouped rows can reach the wgmma kernel for this q (else they are expanded)."""
-    return _wgmma_ok(q, TILES["small" if q.shape[1] <= SMALL_HEADS else "large"], True, True)
+    return _wgmma_ok(q, _tiles(q.shape[1], tiles), True, True)
 
 
-def prefill_group_size(q: torch.Tensor) -> int:
+def prefill_group_size(q: torch.Tensor, tiles: TileTable | None = None) -> int:
     """Tokens per group that the grouped rows should have for these queries on this
     device: the most whose rows fit the wgmma kernel (``MAX_GROUP_ROWS``) where it runs
-    (Hopper, up to 16 heads), else 1 (grouping would only be expanded again)."""
-    if q.shape[1] > SMALL_HEADS or not _groups_run(q):
+    (Hopper, up to 16 heads), else 1 (grouping would only be expanded again).  ``tiles``:
+    as in :func:`sparse_mla_paged`."""
+    if q.shape[1] > SMALL_HEADS or not _groups_run(q, tiles):
         return 1
     return max(1, MAX_GROUP_ROWS // group_rows(q.shape[1], 1))
-
-
-def _check_groups(
-    leads: object,
-    group_size: object,
-    swa_starts: object,
-    comp_starts: object,
-    has_comp: bool,
-    num_tokens: int,
-    device: torch.device,
-) -> _Grouping | None:
-    """Validate the grouped-rows arguments (no synchronisation); None without leads."""
-    if leads is None:
-        for name, v in (("swa_starts", swa_starts), ("comp_starts", comp_starts)):
-            if v is not None:
-                raise ValueError(f"{name} is only meaningful with leads (grouped rows)")
-        return None
-    size = check_positive_int("group_size", group_size)
-    g = check_tensor("leads", leads, dtype=torch.int32, ndim=1, device=device)
-    if g.shape[0] != num_tokens:
-        raise ValueError(
-            f"leads must have {num_tokens} entries (one per query token), got {g.shape[0]}"
-        )
-    if comp_starts is not None and not has_comp:
-        raise ValueError("comp_starts given without comp_cache / comp_indices")
-    starts = []
-    for name, v in (("swa_starts", swa_starts), ("comp_starts", comp_starts)):
-        if v is not None:
-            v = check_tensor(name, v, dtype=torch.int32, ndim=1, device=device)
-            if v.shape[0] != num_tokens:
-                raise ValueError(
-                    f"{name} must have {num_tokens} entries (one per query token), got {v.shape[0]}"
-                )
-        starts.append(v)
-    return (g, size, starts[0], starts[1])
 
 
 def _per_token_rows(
@@ -289,84 +237,6 @@ def _per_token_rows(
     if b_idx is not None:
         b_idx, b_lens = expand_grouped_rows(leads, b_idx, b_lens, b_starts, num_tokens)
     return a_idx, a_lens, b_idx, b_lens
-
-
-def _block_h(num_heads: int, max_block_h: int) -> int:
-    return min(max(MMA_MIN_M, triton.next_power_of_2(num_heads)), max_block_h)
-
-
-def _check_q(q: object) -> torch.Tensor:
-    q = check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
-    if q.shape[2] != HEAD_DIM:
-        raise ValueError(
-            f"q must be [num_tokens, num_heads, {HEAD_DIM}] (head size {HEAD_DIM}: "
-            f"{NOPE_DIM} nope + {HEAD_DIM - NOPE_DIM} rope), got shape {tuple(q.shape)}"
-        )
-    if not 1 <= q.shape[1] <= MAX_HEADS:
-        raise ValueError(f"q must have 1 to {MAX_HEADS} heads, got {q.shape[1]}")
-    if q.stride(2) != 1:
-        raise ValueError("q must be contiguous in its last dimension")
-    return q
-
-
-def _check_scale(scale: object) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise ValueError(f"scale must be a float, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite positive float, got {scale}")
-    return float(scale)
-
-
-def _check_page_cache(name: str, cache: object, block_size: int, device: torch.device) -> int:
-    """Validate a paged FP8 cache view (:func:`._validation.check_page_cache`, the one
-    rule for every kernel); return its page stride in bytes.  Never syncs."""
-    return check_page_cache(name, cache, block_size, device)[1]
-
-
-def _check_rows(
-    name: str,
-    indices: object,
-    lens_name: str,
-    lens: object,
-    num_tokens: int,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    idx = check_tensor(name, indices, dtype=torch.int32, ndim=2, device=device)
-    if idx.shape[0] != num_tokens:
-        raise ValueError(
-            f"{name} must have {num_tokens} rows (one per query token, like q), got {idx.shape[0]}"
-        )
-    if idx.shape[1] > 1 and idx.stride(1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension")
-    if lens is None:
-        return idx, None
-    ln = check_tensor(lens_name, lens, dtype=torch.int32, ndim=1, device=device)
-    if ln.shape[0] != num_tokens:
-        raise ValueError(
-            f"{lens_name} must have {num_tokens} entries (one per query token), got {ln.shape[0]}"
-        )
-    return idx, ln
-
-
-def _check_sink_and_outputs(
-    q: torch.Tensor,
-    attn_sink: object,
-    out: torch.Tensor | None,
-    lse: torch.Tensor | None,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    T, H, _ = q.shape
-    sink = None
-    if attn_sink is not None:
-        sink = check_tensor("attn_sink", attn_sink, dtype=torch.float32, ndim=1, device=q.device)
-        if sink.shape[0] != H:
-            raise ValueError(f"attn_sink must have {H} entries (one per head), got {sink.shape[0]}")
-    check_out("out", out, (T, H, HEAD_DIM), torch.bfloat16, q.device)
-    check_out("lse", lse, (T, H), torch.float32, q.device)
-    if out is None:
-        out = torch.empty((T, H, HEAD_DIM), dtype=torch.bfloat16, device=q.device)
-    if lse is None:
-        lse = torch.empty((T, H), dtype=torch.float32, device=q.device)
-    return sink, out, lse
 
 
 def sparse_mla_paged(
@@ -388,6 +258,7 @@ def sparse_mla_paged(
     group_size: int = 1,
     swa_starts: torch.Tensor | None = None,
     comp_starts: torch.Tensor | None = None,
+    tiles: TileTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with sink over keys read from FP8 (UE8M0) paged K caches.
 
@@ -426,6 +297,9 @@ def sparse_mla_paged(
         group_size: tokens per group of ``leads`` (a host int).
         swa_starts, comp_starts: ``[T]`` int32 first columns (with ``leads``
             only; None: 0).
+        tiles: the kernels' tile constants per head class, in :data:`TILES`' form
+            (``{"small": {...}, "large": {...}}``; a class left out, or None: the
+            measured defaults of :data:`TILES`); for sweeps and profiles.
 
     Returns:
         ``(out, lse)``: ``[T, H, 512]`` bf16 and ``[T, H]`` float32 (lse
@@ -463,7 +337,7 @@ def sparse_mla_paged(
     grouping = _check_groups(
         leads, group_size, swa_starts, comp_starts, b_idx is not None, T, device
     )
-    if grouping is not None and not (use_triton(device) and _groups_run(q)):
+    if grouping is not None and not (use_triton(device) and _groups_run(q, tiles)):
         # paths without grouped tiles read the same keys from per-token rows
         a_idx, a_lens, b_idx, b_lens = _per_token_rows(grouping, a_idx, a_lens, b_idx, b_lens, T)
         grouping = None
@@ -503,6 +377,7 @@ def sparse_mla_paged(
         scale=scale,
         aligned=aligned,
         grouping=grouping,
+        tiles=tiles,
     )
     return out, lse
 
@@ -517,6 +392,7 @@ def sparse_mla_workspace(
     attn_sink: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    tiles: TileTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with sink over a bf16 workspace (vLLM's current prefill inputs).
 
@@ -530,7 +406,7 @@ def sparse_mla_workspace(
             hole, rows ``>= N`` are holes too.
         lens: ``[T]`` int32 lengths (only the first ``lens[t]`` columns
             count), or None for all ``K``.
-        scale, attn_sink, out, lse: as in :func:`sparse_mla_paged`.
+        scale, attn_sink, out, lse, tiles: as in :func:`sparse_mla_paged`.
 
     Returns:
         ``(out, lse)``: ``[T, H, 512]`` bf16 and ``[T, H]`` float32.
@@ -567,6 +443,7 @@ def sparse_mla_workspace(
         b_slots=1,
         scale=scale,
         aligned=False,
+        tiles=tiles,
     )
     return out, lse
 
@@ -588,17 +465,15 @@ def _launch(
     scale: float,
     aligned: bool,
     grouping: _Grouping | None = None,
+    tiles: TileTable | None = None,
 ) -> None:
-    """Launch the kernel (inputs already validated).
-
-    The tile constants are read from this module at each call, so a sweep
-    (``benchmarks/cases_sparse_mla.py --sweep``) can set them between calls.
-    """
+    """Launch the kernel (inputs already validated) with the tile constants of ``tiles``
+    (:func:`sparse_mla_paged`'s argument; None: :data:`TILES`)."""
     T, H, _ = q.shape
     if T == 0:
         return
-    tiles = TILES["small" if H <= SMALL_HEADS else "large"]
-    max_block_h, block_n = tiles["MAX_BLOCK_H"], tiles["BLOCK_N"]
+    cfg = _tiles(H, tiles)
+    max_block_h, block_n = cfg["MAX_BLOCK_H"], cfg["BLOCK_N"]
     block_h = _block_h(H, max_block_h)
     head_blocks = triton.cdiv(H, block_h)
     a_src, a_idx, a_lens, a_stride, a_rows = a
@@ -643,8 +518,8 @@ def _launch(
     fits = grouping is None or (grouping[1] > 1 and group_rows(H, grouping[1]) <= MAX_GROUP_ROWS)
     if (
         fits
-        and _wgmma_ok(q, tiles, a_paged, aligned)
-        and _launch_wgmma(T, H, args, sources, tiles, grouping)
+        and _wgmma_ok(q, cfg, a_paged, aligned)
+        and _launch_wgmma(T, H, args, sources, cfg, grouping)
     ):
         return
     if grouping is not None:  # the wgmma kernel did not take them: per-token rows
@@ -654,7 +529,7 @@ def _launch(
         _launch(
             q, out, lse, sink, a=(a_src, a_idx, a_lens, a_stride, a_rows), a_slots=a_slots,
             a_paged=a_paged, b=None if b is None else (b_src, b_idx, b_lens, b_stride, b_rows),
-            b_slots=b_slots, scale=scale, aligned=aligned,
+            b_slots=b_slots, scale=scale, aligned=aligned, tiles=tiles,
         )  # fmt: skip
         return
     meta = dict(
@@ -668,18 +543,18 @@ def _launch(
         DOT_FP32=interpreter_enabled(),
     )
     # ASM (absent: off): the FP8 codes as int32 words through inline PTX (CUDA only).
-    words = bool(tiles.get("ASM", 0)) and aligned and not interpreter_enabled()
+    words = bool(cfg.get("ASM", 0)) and aligned and not interpreter_enabled()
     extra: dict[str, Any] = {}
     if words:
         extra.update(A_WORDS=a_paged, B_WORDS=True)
-    if tiles.get("MAXNREG") and not interpreter_enabled():
-        extra["maxnreg"] = tiles["MAXNREG"]
+    if cfg.get("MAXNREG") and not interpreter_enabled():
+        extra["maxnreg"] = cfg["MAXNREG"]
     _k._sparse_mla_kernel[grid](
         *args,
         **meta,
         **extra,
-        PREFETCH=bool(tiles["PREFETCH"]) and a_paged,
-        BF16_DEQUANT=bool(tiles["BF16_DEQUANT"]) and not interpreter_enabled(),
-        num_warps=tiles["NUM_WARPS"],
-        num_stages=tiles["NUM_STAGES"],
+        PREFETCH=bool(cfg["PREFETCH"]) and a_paged,
+        BF16_DEQUANT=bool(cfg["BF16_DEQUANT"]) and not interpreter_enabled(),
+        num_warps=cfg["NUM_WARPS"],
+        num_stages=cfg["NUM_STAGES"],
     )

@@ -1,0 +1,306 @@
+"""Sparse MLA benchmark inputs: the case matrix (:data:`MATRIX`, :data:`SMOKE`), one
+prefill chunk of one layer in both forms (:class:`AttnInputs`: FP8 pages with global
+rows, vLLM's bf16 workspace with combined rows) and the reference checks every sparse
+MLA benchmark, sweep and profile shares (re-exported by ``cases_sparse_mla.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+SCALE = 512**-0.5
+WINDOW = 128
+SWA_BLOCK = 64
+# Tokens whose output is compared with the reference (every CHECK_STRIDE-th, and the last).
+CHECK_TOKENS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnShape:
+    name: str
+    layer: str  # c4a | c128a | swa
+    num_reqs: int
+    query_len: int
+    context: int  # tokens of each request after this chunk (query included)
+    heads: int
+    topk: int  # C4A top-k (512 Flash, 1024 Pro); ignored otherwise
+
+    @property
+    def ratio(self) -> int:
+        return {"c4a": 4, "c128a": 128, "swa": 1}[self.layer]
+
+
+MODELS = (("flash-tp8", 8, 512), ("pro-tp8", 16, 1024), ("flash-dp", 64, 512))
+BATCHES = (("1x16384@131072", 1, 16384, 131072), ("16x1024", 16, 1024, 1024))
+MATRIX = [
+    AttnShape(f"{layer}-{model}-{bname}", layer, b, q, ctx, heads, topk)
+    for bname, b, q, ctx in BATCHES
+    for layer in ("c4a", "c128a", "swa")
+    for model, heads, topk in MODELS
+]
+SMOKE = [
+    AttnShape("c4a-h3-1x6@300", "c4a", 1, 6, 300, 3, 16),
+    AttnShape("c128a-h16-2x4@700", "c128a", 2, 4, 700, 16, 0),
+    AttnShape("swa-h8-2x5", "swa", 2, 5, 5, 8, 0),
+]
+
+
+@dataclasses.dataclass
+class AttnInputs:
+    """One prefill chunk of one layer, in both forms: FP8 pages + global rows, and vLLM's
+    bf16 workspace + combined rows."""
+
+    shape: AttnShape
+    seed: int
+    q: torch.Tensor
+    sink: torch.Tensor
+    swa_cache: torch.Tensor
+    comp_cache: torch.Tensor | None
+    comp_block_size: int | None
+    index_case: Any  # dsv4_kernels.testing.prefill_indices.PrefillIndexCase
+    rows: Any  # PrefillIndices (window, window_lens, comp, comp_lens)
+    gather_lens: torch.Tensor
+    M: int
+    N: int
+    workspace: torch.Tensor  # [num_reqs * M, 512] bf16
+    combined: torch.Tensor  # [T, width] int32 workspace rows
+    combined_lens: torch.Tensor  # [T] int32
+    # the kernels' tiles (``sparse_mla_paged(tiles=...)``; None: the shipped defaults)
+    tiles: Any = None
+
+    def paged_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(swa_block_size=SWA_BLOCK, attn_sink=self.sink)
+        if self.comp_cache is not None:
+            kw.update(
+                comp_cache=self.comp_cache,
+                comp_indices=self.rows.comp,
+                comp_lens=self.rows.comp_lens,
+                comp_block_size=self.comp_block_size,
+            )
+        return kw
+
+    def run_paged(self, out: torch.Tensor, lse: torch.Tensor, rows: Any = None) -> None:
+        import dsv4_kernels as dk
+
+        r = self.rows if rows is None else rows
+        kw = self.paged_kwargs()
+        if self.comp_cache is not None:
+            kw.update(comp_indices=r.comp, comp_lens=r.comp_lens)
+        dk.sparse_mla_paged(
+            self.q,
+            self.swa_cache,
+            r.window,
+            r.window_lens,
+            SCALE,
+            out=out,
+            lse=lse,
+            tiles=self.tiles,
+            **kw,
+        )
+
+    def build_grouped(self, group_size: int) -> Any:
+        """Grouped rows (``GroupedPrefillIndices``) of this SWA-only or C128A chunk."""
+        import dsv4_kernels as dk
+
+        c = self.index_case
+        comp = self.comp_cache is not None
+        return dk.build_grouped_prefill_indices(
+            c.query_start_loc,
+            c.seq_lens,
+            num_tokens=c.num_tokens,
+            group_size=group_size,
+            window_block_table=c.window_block_table,
+            comp_block_table=c.comp_block_table if comp else None,
+            comp_block_size=self.comp_block_size if comp else None,
+            topk=c.topk if comp else None,
+        )
+
+    def run_grouped(self, out: torch.Tensor, lse: torch.Tensor, rows: Any) -> None:
+        """Attention on grouped rows (from :meth:`build_grouped`)."""
+        import dsv4_kernels as dk
+
+        kw = self.paged_kwargs()
+        if self.comp_cache is not None:
+            kw.update(comp_indices=rows.comp, comp_lens=rows.comp_lens)
+        dk.sparse_mla_paged(
+            self.q,
+            self.swa_cache,
+            rows.window,
+            rows.window_lens,
+            SCALE,
+            out=out,
+            lse=lse,
+            leads=rows.leads,
+            group_size=rows.group_size,
+            swa_starts=rows.window_starts,
+            tiles=self.tiles,
+            **kw,
+        )
+
+    def run_workspace(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        import dsv4_kernels as dk
+
+        dk.sparse_mla_workspace(
+            self.q,
+            self.workspace,
+            self.combined,
+            self.combined_lens,
+            SCALE,
+            attn_sink=self.sink,
+            out=out,
+            lse=lse,
+            tiles=self.tiles,
+        )
+
+    def build_workspace(self) -> None:
+        """vLLM's per-chunk gathers of the compressed entries and the window region."""
+        import dsv4_kernels as dk
+
+        c = self.index_case
+        B = self.shape.num_reqs
+        ws = self.workspace.view(B, self.M, 512)
+        if self.comp_cache is not None:
+            dk.dequantize_and_gather_k_cache(
+                ws,
+                self.comp_cache,
+                c.seq_lens // self.shape.ratio,
+                None,
+                c.comp_block_table,
+                self.comp_block_size or 1,
+                0,
+            )
+        dk.dequantize_and_gather_k_cache(
+            ws,
+            self.swa_cache,
+            c.seq_lens,
+            self.gather_lens,
+            c.window_block_table,
+            SWA_BLOCK,
+            self.N,
+        )
+
+    def build_combined(self) -> None:
+        import dsv4_kernels as dk
+
+        c = self.index_case
+        topk = self.topk_width
+        dk.combine_topk_swa_indices(
+            c.topk_indices if self.shape.layer == "c4a" else None,
+            c.query_start_loc,
+            c.seq_lens,
+            self.gather_lens,
+            WINDOW,
+            self.shape.ratio,
+            topk,
+            self.M,
+            self.N,
+            out=(self.combined, self.combined_lens),
+            num_tokens=c.num_tokens,
+        )
+
+    @property
+    def topk_width(self) -> int:
+        return 0 if self.shape.layer == "swa" else int(self.index_case.topk)
+
+
+def make_inputs(shape: AttnShape, device: torch.device, seed: int, tiles: Any = None) -> AttnInputs:
+    """Random inputs for one case (queries, sinks, keys, block tables, top-k), all from
+    ``seed``; ``tiles``: the kernels' tiles for its runs (None: the shipped ones)."""
+    from dsv4_kernels.geometry import combined_width
+    from dsv4_kernels.testing import sparse_mla as ts
+    from dsv4_kernels.testing.prefill_indices import make_prefill_index_case
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    ratio = shape.ratio
+    case = make_prefill_index_case(
+        [shape.query_len] * shape.num_reqs,
+        [shape.context - shape.query_len] * shape.num_reqs,
+        compress_ratio=ratio,
+        topk=shape.topk if shape.layer == "c4a" else None,
+        device=device,
+        seed=seed,
+    )
+    T = case.num_tokens
+    q = ts.random_q(T, shape.heads, generator=g, device=device)
+    sink = ts.random_sink(shape.heads, generator=g, device=device)
+    swa = ts.paged_cache(case.window_num_pages, SWA_BLOCK, generator=g, device=device)
+    comp = None
+    comp_bs = None
+    if ratio > 1:
+        comp_bs = case.comp_block_size  # geometry.slots_per_page(ratio)
+        comp = ts.paged_cache(case.comp_num_pages, comp_bs, generator=g, device=device)
+    rows = case.build()
+    seq = case.seq_lens
+    gather = torch.clamp(seq, max=shape.query_len + WINDOW - 1)
+    N = shape.context // ratio if ratio > 1 else 0
+    M = N + min(shape.context, shape.query_len + WINDOW - 1)
+    width = combined_width(0 if shape.layer == "swa" else case.topk)
+    inp = AttnInputs(
+        shape=shape,
+        seed=seed,
+        q=q,
+        sink=sink,
+        swa_cache=swa.cache,
+        comp_cache=None if comp is None else comp.cache,
+        comp_block_size=comp_bs,
+        index_case=case,
+        rows=rows,
+        gather_lens=gather,
+        M=M,
+        N=N,
+        workspace=torch.zeros((shape.num_reqs * M, 512), dtype=torch.bfloat16, device=device),
+        combined=torch.empty((T, width), dtype=torch.int32, device=device),
+        combined_lens=torch.empty((T,), dtype=torch.int32, device=device),
+        tiles=tiles,
+    )
+    inp.build_workspace()
+    inp.build_combined()
+    return inp
+
+
+def valid_keys(inp: AttnInputs) -> torch.Tensor:
+    """[T] keys each token attends to (window + compressed lengths)."""
+    n = inp.rows.window_lens.to(torch.int64)
+    if inp.rows.comp_lens is not None:
+        n = n + inp.rows.comp_lens.to(torch.int64)
+    return n
+
+
+def check_tokens(T: int, device: torch.device) -> torch.Tensor:
+    step = max(1, T // CHECK_TOKENS)
+    idx = torch.arange(0, T, step, device=device)
+    return torch.unique(torch.cat([idx, torch.tensor([T - 1], device=device)]))
+
+
+def reference_sample(inp: AttnInputs, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 reference on a sample of tokens (their rows only)."""
+    from dsv4_kernels import reference as ref
+
+    r = inp.rows
+    kw = inp.paged_kwargs()
+    if inp.comp_cache is not None:
+        kw.update(comp_indices=r.comp[tokens], comp_lens=r.comp_lens[tokens])
+    return ref.sparse_mla_paged(
+        inp.q[tokens], inp.swa_cache, r.window[tokens], r.window_lens[tokens], SCALE, **kw
+    )
+
+
+def assert_close_attention(
+    got: tuple[torch.Tensor, torch.Tensor],
+    want: tuple[torch.Tensor, torch.Tensor],
+    what: str,
+    *,
+    atol: float = 3e-2,
+    rtol: float = 3e-2,
+    lse_atol: float = 2e-3,
+) -> None:
+    out, lse = got
+    w_out, w_lse = want
+    assert not torch.isnan(out.float()).any(), f"{what}: out has NaN"
+    assert not torch.isnan(lse).any(), f"{what}: lse has NaN"
+    torch.testing.assert_close(out.float(), w_out.float(), atol=atol, rtol=rtol, msg=what)
+    empty = torch.isneginf(w_lse)
+    assert torch.equal(torch.isneginf(lse), empty), f"{what}: lse -inf pattern differs"
+    torch.testing.assert_close(lse[~empty], w_lse[~empty], atol=lse_atol, rtol=1e-4, msg=what)
