@@ -46,7 +46,7 @@ import torch
 import dsv4_kernels as dk
 from dsv4_kernels import reference as dk_ref
 from dsv4_kernels import sparse_mla
-from dsv4_kernels.geometry import KV_BLOCK_SIZE, SWA_BLOCK_SIZE, WINDOW_SIZE
+from dsv4_kernels.geometry import SWA_BLOCK_SIZE, WINDOW_SIZE, slots_per_page
 from dsv4_kernels.reference import sparse_mla as ref_attention
 
 from .scratch import PrefillScratch
@@ -357,7 +357,7 @@ def _check_comp_args(
             raise ValueError(
                 "topk_indices must be None for C128A layers (their rows are generated)"
             )
-    return KV_BLOCK_SIZE // compress_ratio if comp_block_size is None else comp_block_size
+    return slots_per_page(compress_ratio) if comp_block_size is None else comp_block_size
 
 
 def _check_layer_args(

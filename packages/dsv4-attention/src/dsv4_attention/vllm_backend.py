@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from dsv4_kernels.geometry import slots_per_page
+
 ENV_MAX_HEADS = "DSV4_PREFILL_MAX_HEADS"
 ENV_DECODE_DISABLE = "DSV4_DECODE_DISABLE"
 ENV_PREFILL_DISABLE = "DSV4_PREFILL_DISABLE"
@@ -273,7 +275,7 @@ def head_exact_prefill(
         comp = {
             "comp_cache": compressed_k_cache,
             "comp_block_table": attn_metadata.block_table[num_decodes:],
-            "comp_block_size": int(attn_metadata.block_size) // ratio,
+            "comp_block_size": slots_per_page(ratio, int(attn_metadata.block_size)),
         }
         if ratio == 4:
             num_decode_tokens = int(swa_metadata.num_decode_tokens)
@@ -309,7 +311,7 @@ def _try_head_exact(
     if not use_head_exact(layer, swa_metadata):
         return False
     ratio = int(layer.compress_ratio)
-    comp_slots = None if ratio == 1 else int(attn_metadata.block_size) // ratio
+    comp_slots = None if ratio == 1 else slots_per_page(ratio, int(attn_metadata.block_size))
     if not layout_ok(
         layer, swa_k_cache, compressed_k_cache, int(swa_metadata.block_size), comp_slots
     ):

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from dsv4_kernels.geometry import slots_per_page
+
 from . import vllm_backend as vb
 from .vllm_memory import C128A_WIDTH_ALIGNMENT, WARMED, _refuse, layout_ok
 
@@ -112,7 +114,7 @@ def head_exact_decode(
                 layer.topk_indices_buffer[:num_tokens],
                 swa_metadata.token_to_req_indices,
                 attn_metadata.block_table[: int(swa_metadata.num_decodes)],
-                int(attn_metadata.block_size) // ratio,
+                slots_per_page(ratio, int(attn_metadata.block_size)),
                 swa_metadata.is_valid_token[:num_tokens],
             )
         else:
@@ -146,7 +148,7 @@ def _try_head_exact_decode(
     if not use_head_exact_decode(layer, int(swa_metadata.num_decode_tokens)):
         return False
     ratio = int(layer.compress_ratio)
-    comp_slots = None if swa_only else int(attn_metadata.block_size) // ratio
+    comp_slots = None if swa_only else slots_per_page(ratio, int(attn_metadata.block_size))
     window = layer.swa_cache_layer.kv_cache
     if not layout_ok(layer, window, kv_cache, int(swa_metadata.block_size), comp_slots):
         return False

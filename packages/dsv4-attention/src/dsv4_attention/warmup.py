@@ -21,6 +21,7 @@ from dsv4_kernels.geometry import (
     SWA_BLOCK_SIZE,
     TOKEN_BYTES,
     page_stride_bytes,
+    slots_per_page,
 )
 
 from .prefill import PrefillPlan, forward_prefill
@@ -76,7 +77,7 @@ def warm_up_prefill(
     swa_cache = _cache(_pages(SWA_BLOCK_SIZE), SWA_BLOCK_SIZE, device)
     comp: dict[str, object] = {}
     if compress_ratio > 1:
-        per_page = KV_BLOCK_SIZE // compress_ratio
+        per_page = slots_per_page(compress_ratio)
         comp = {
             "comp_cache": _cache(_pages(KV_BLOCK_SIZE), per_page, device),
             "comp_block_table": _table(KV_BLOCK_SIZE, device),
@@ -129,7 +130,7 @@ def warm_up_decode(
     width = max(0, max_keys - 128)
     comp_cache = None
     if compress_ratio > 1:
-        comp_cache = _cache(4, KV_BLOCK_SIZE // compress_ratio, device)
+        comp_cache = _cache(4, slots_per_page(compress_ratio), device)
     for tokens in _DECODE_TOKENS:
         window = torch.arange(128, dtype=torch.int32, device=device).repeat(tokens, 1)
         lens = torch.full((tokens,), 128, dtype=torch.int32, device=device)
