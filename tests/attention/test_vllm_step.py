@@ -23,6 +23,7 @@ the profile run, and the cache layout guard.
 from __future__ import annotations
 
 import os
+import threading
 import types
 from collections.abc import Iterator
 
@@ -403,3 +404,30 @@ def test_foreign_cache_layout_keeps_vllms_path(
     assert called == [layer.prefix, layer.prefix]
     lines = [r.getMessage() for r in caplog.records if "keeps vLLM's prefill" in r.getMessage()]
     assert len(lines) == 1 and "584" in lines[0], lines
+
+
+def test_dual_batch_overlap_keeps_vllms_path(
+    ours_cls: type, fresh_backend: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While vLLM overlaps two micro-batches (its ``dbo_enabled()``, read through the
+    plugin), the process-wide scratch would be shared: vLLM's own prefill runs."""
+    from vllm.config import VllmConfig
+    from vllm.forward_context import set_forward_context
+    from vllm.v1.worker import ubatching
+
+    g = generator(fresh_seed())
+    model = Model(g, ratios=(1, 1))
+    layer = model.layers[0]
+    step = model.step([4], [200], num_decodes=0)
+    called = []
+    base = ours_cls.__mro__[1]
+    monkeypatch.setattr(base, "_forward_prefill", lambda self, **kw: called.append(1))
+    q = torch.randn(4, PADDED, 512, generator=g).to(torch.bfloat16)
+    with set_forward_context(step["dict"], VllmConfig()):
+        monkeypatch.setitem(ubatching._THREAD_ID_TO_CONTEXT, threading.get_ident(), 0)
+        assert ubatching.dbo_enabled()
+        _run_layer(ours_cls, layer, step, q)
+        assert called == [1]
+        monkeypatch.delitem(ubatching._THREAD_ID_TO_CONTEXT, threading.get_ident())
+        out = _run_layer(ours_cls, layer, step, q)
+        assert called == [1] and not bool(out[:, :HEADS].isnan().any())

@@ -307,7 +307,9 @@ def _configure_backend() -> None:
     facts = _facts()
     context = importlib.import_module(facts.forward_context_module)
     workspace = importlib.import_module(facts.workspace_module)
+    ubatching = importlib.import_module(facts.ubatching_module)
     for module, name in (
+        (ubatching, "dbo_enabled"),
         (context, "is_forward_context_available"),
         (context, "get_forward_context"),
         (workspace, "current_workspace_manager"),
@@ -326,7 +328,12 @@ def _configure_backend() -> None:
             else None
         )
 
-    configure_runtime(forward_context=forward_context, workspace=manager, log=_logger().info)
+    configure_runtime(
+        forward_context=forward_context,
+        workspace=manager,
+        log=_logger().info,
+        dual_batch=ubatching.dbo_enabled,
+    )
 
 
 def _activate_safely() -> None:

@@ -67,7 +67,12 @@ C4A_SHORT_ROWS_MEAN_KEYS = 512
 _STEP: dict[str, Any] = {"ref": None, "dict_id": None, "plan": None, "keys": {}}
 # How to reach vLLM at run time, set by the plugin from the release's facts
 # (this module imports nothing of vLLM itself).
-_RUNTIME: dict[str, Any] = {"forward_context": None, "workspace": None, "log": None}
+_RUNTIME: dict[str, Any] = {
+    "forward_context": None,
+    "workspace": None,
+    "log": None,
+    "dual_batch": None,
+}
 
 
 def configure_runtime(
@@ -75,11 +80,22 @@ def configure_runtime(
     forward_context: Any = None,
     workspace: Any = None,
     log: Any = None,
+    dual_batch: Any = None,
 ) -> None:
     """Tell the backend how to reach vLLM: ``forward_context()`` returns vLLM's current
     forward context or None, ``workspace()`` vLLM's workspace manager, ``log(line)``
-    writes one line to vLLM's log."""
-    _RUNTIME.update(forward_context=forward_context, workspace=workspace, log=log)
+    writes one line to vLLM's log, ``dual_batch()`` whether vLLM runs micro-batches
+    on two threads (dual-batch overlap)."""
+    _RUNTIME.update(
+        forward_context=forward_context, workspace=workspace, log=log, dual_batch=dual_batch
+    )
+
+
+def dual_batch_active() -> bool:
+    """Whether vLLM overlaps two micro-batches now: the process-wide scratch would be
+    shared by both, so the head-exact paths leave such steps to vLLM."""
+    getter = _RUNTIME["dual_batch"]
+    return bool(getter()) if getter is not None else False
 
 
 def _say(line: str) -> None:
@@ -308,7 +324,7 @@ def _try_head_exact(
     """Run the head-exact prefill where it applies; False: vLLM's own path must run."""
     from .scratch import ScratchTooSmall
 
-    if not use_head_exact(layer, swa_metadata):
+    if not use_head_exact(layer, swa_metadata) or dual_batch_active():
         return False
     ratio = int(layer.compress_ratio)
     comp_slots = None if ratio == 1 else slots_per_page(ratio, int(attn_metadata.block_size))

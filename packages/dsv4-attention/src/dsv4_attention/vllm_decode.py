@@ -147,6 +147,8 @@ def _try_head_exact_decode(
     """Run the head-exact decode where it applies; False: vLLM's own must run."""
     if not use_head_exact_decode(layer, int(swa_metadata.num_decode_tokens)):
         return False
+    if vb.dual_batch_active():
+        return False
     ratio = int(layer.compress_ratio)
     comp_slots = None if swa_only else slots_per_page(ratio, int(attn_metadata.block_size))
     window = layer.swa_cache_layer.kv_cache

@@ -126,6 +126,8 @@ class ReleaseFacts:
     forward_context_module: str = "vllm.forward_context"
     workspace_module: str = "vllm.v1.worker.workspace"
     allocate_kv_cache_module: str = "vllm.v1.worker.utils"
+    # dual-batch overlap (micro-batches on two threads): ``dbo_enabled()``
+    ubatching_module: str = "vllm.v1.worker.ubatching"
 
     @property
     def text(self) -> str:
