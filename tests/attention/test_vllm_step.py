@@ -402,7 +402,7 @@ def test_foreign_cache_layout_keeps_vllms_path(
     finally:
         base._forward_prefill = saved
     assert called == [layer.prefix, layer.prefix]
-    lines = [r.getMessage() for r in caplog.records if "keeps vLLM's prefill" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "keeps vLLM's attention" in r.getMessage()]
     assert len(lines) == 1 and "584" in lines[0], lines
 
 

@@ -72,8 +72,8 @@ def layout_ok(
     layer._dsv4_layout = (key, problem is None)
     if problem is not None:
         vb._say(
-            f"dsv4-attention: {getattr(layer, 'prefix', 'a DSV4 layer')} keeps vLLM's prefill: "
-            f"{problem}"
+            f"dsv4-attention: {getattr(layer, 'prefix', 'a DSV4 layer')} keeps vLLM's "
+            f"attention (prefill and decode): {problem}"
         )
     return problem is None
 
