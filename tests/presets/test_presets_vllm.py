@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from dsv4_presets import check, resolve_bench, resolve_serve, vllm_releases
@@ -274,6 +274,10 @@ def option_values(draw: Any) -> dict[str, Any]:
 @given(values=option_values())
 def test_rendered_options_parse_back_to_their_values(values):
     serve_parser = vllm_check.serve_parser()
+    # 0.33 spells one setting two ways (--enable-x / --disable-x, one dest): values
+    # for both spellings of one setting contradict each other, so draw one of them
+    dests = [serve_parser._option_string_actions[f"--{name}"].dest for name in values]
+    assume(len(set(dests)) == len(dests))
     argv = ["model"]
     for name, value in values.items():
         assert check_value(SERVE.options[name], value) is None

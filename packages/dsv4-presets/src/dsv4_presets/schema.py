@@ -328,14 +328,22 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _int_ok(text: str) -> bool:
+    """Whether vLLM's parser (argparse's ``type=int``, i.e. Python's ``int()``) takes
+    ``text``: signs, surrounding spaces and digit-group underscores (``1_024``) too."""
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_scalar(spec: OptionSpec, value: object) -> str | None:
     """``None`` when ``value`` is acceptable for one element of ``spec``, else what is wrong."""
     if isinstance(value, bool) and spec.type != "str":
         return f"expected {spec.type}, got the boolean {value!r}"
     if spec.type == "int":
-        if isinstance(value, int) or (
-            isinstance(value, str) and value.strip().lstrip("-").isdigit()
-        ):
+        if isinstance(value, int) or (isinstance(value, str) and _int_ok(value)):
             pass
         else:
             return f"expected an integer, got {value!r}"
