@@ -458,3 +458,13 @@ def test_an_unsupported_installed_release_is_refused_naming_the_supported_ones(m
     assert report.vllm_version is None  # none of its checks ran
     with pytest.raises(vllm_releases.UnsupportedVllmRelease, match=r"supported: 0\.32, 0\.33"):
         vllm_check.facts()
+
+
+@pytest.mark.parametrize("value", [-0.5, -0.0, -3])
+def test_negative_values_render_as_one_word_vllm_parses(value: float) -> None:
+    """vLLM's parser fails outright on "--x -0.5" (0.32 and 0.33); "--x=-0.5" parses."""
+    argv = render_option("gpu-memory-utilization", value, SERVE.options["gpu-memory-utilization"])
+    assert argv == [f"--gpu-memory-utilization={value!r}"]
+    ns, message = vllm_check.parse(vllm_check._serve_root(), ["serve", "model", *argv])
+    assert message is None
+    assert ns.gpu_memory_utilization == value

@@ -481,8 +481,9 @@ def render_option(name: str, value: object, spec: OptionSpec | None) -> list[str
             words += [flag, _scalar_text(item)]
         return words
     text = _scalar_text(value)
-    if text.startswith("-") and not text.startswith("--") and not _float_ok(text):
-        # argparse would read "-K" as an option of its own, not as the value.
+    if text.startswith("-") and not text.startswith("--"):
+        # argparse would read "-K" as an option of its own, not as the value, and
+        # vLLM's parser (0.32 and 0.33) fails outright on a separate "-0.5": one word.
         return [f"{flag}={text}"]
     return [flag, text]
 
