@@ -468,3 +468,12 @@ def test_negative_values_render_as_one_word_vllm_parses(value: float) -> None:
     ns, message = vllm_check.parse(vllm_check._serve_root(), ["serve", "model", *argv])
     assert message is None
     assert ns.gpu_memory_utilization == value
+
+
+@pytest.mark.parametrize("text", ["0.K", "1.5K", "16k", "1.5k", "2K", "16384", "0_8", " 7 ", "k"])
+def test_human_int_check_is_vllms(text: str) -> None:
+    """The offline check of a human-readable integer takes exactly what vLLM's parser takes."""
+    spec = SERVE.options["max-num-batched-tokens"]
+    argv = ["serve", "model", *render_option("max-num-batched-tokens", text, spec)]
+    _, message = vllm_check.parse(vllm_check._serve_root(), argv)
+    assert (check_value(spec, text) is None) == (message is None), (text, message)

@@ -404,13 +404,19 @@ def human_int(value: object) -> int | None:
     return int(number) * 2 ** (10 * "KMGT".index(suffix) + 10)
 
 
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+
+
 def _human_int_ok(text: str) -> bool:
+    """Whether vLLM's ``human_readable_int`` takes ``text`` (the same rules, 0.32 and
+    0.33): digits with an optional decimal part and a k/m/g/t suffix (decimals only
+    with the lowercase, decimal suffixes), else what ``int()`` takes."""
     text = text.strip()
-    if text.lstrip("-").isdigit():
-        return True
-    if len(text) >= 2 and text[-1] in "kKmMgGtT":
-        return _float_ok(text[:-1])
-    return False
+    match = _HUMAN_INT.fullmatch(text)
+    if match:
+        number, suffix = match.groups()
+        return suffix.islower() or "." not in number
+    return _int_ok(text)
 
 
 def _float_ok(text: str) -> bool:
