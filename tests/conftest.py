@@ -21,3 +21,18 @@ def _cuda_available() -> bool:
 
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _hypothesis_profile() -> None:
+    """Property tests draw the same examples on every run (a CI result is reproducible);
+    ``HYPOTHESIS_PROFILE=explore`` draws fresh ones each run, to look for new cases."""
+    try:
+        from hypothesis import settings
+    except ImportError:  # the GPU machine's suite may run without hypothesis installed
+        return
+    settings.register_profile("repeatable", derandomize=True)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
+
+
+_hypothesis_profile()
