@@ -1,5 +1,9 @@
 """The prefill forward of one DeepSeek-V4 attention layer, straight from the FP8 pages.
 
+(Over 500 lines: the plan, which builds its rows into the preallocated scratch,
+and the forward with its torch reference share the same argument checks; moving
+the reference and its shared prologue out is issue 23's remaining work.)
+
 vLLM 0.32 runs DSV4's sparse prefill as gather (FP8 pages -> bf16 workspace),
 combine (workspace rows) and FlashMLA on query heads padded to 64.  Here a
 layer's prefill is two steps on the heads it really has:
