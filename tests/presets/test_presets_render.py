@@ -19,6 +19,7 @@ from dsv4_presets.presets import (
     preset_kind,
     serve_preset_names,
 )
+from dsv4_presets.configs import bool_spellings
 from dsv4_presets.schema import check_value, shipped_table
 
 # The seed PR's `vllm serve` command, verbatim.
@@ -423,7 +424,10 @@ _NAMES = sorted(
 @st.composite
 def _random_options(draw):
     out = {}
-    for name in draw(st.lists(st.sampled_from(_NAMES), min_size=1, max_size=8, unique=True)):
+    # one spelling per setting: 0.33's enable-x and disable-x in one file contradict
+    # (the later wins, test_a_later_layer_s_other_spelling_replaces_the_setting)
+    names = st.lists(st.sampled_from(_NAMES), min_size=1, max_size=8, unique_by=bool_spellings)
+    for name in draw(names):
         spec = _TABLE.options[name]
         if spec.kind in ("bool", "flag"):
             out[name] = draw(st.booleans())
@@ -461,3 +465,30 @@ def test_random_options_round_trip_through_a_config_file(options, tmp_path_facto
     assert yaml.safe_load(first.to_config_yaml())["model"] == first.model
     for name, value in options.items():
         assert first.args[name] == value
+
+
+@pytest.mark.parametrize("user", [False, True])
+def test_a_later_layer_s_other_spelling_replaces_the_setting(tmp_path, user):
+    # The preset writes enable-prefix-caching: false; a user's 0.33 spelling
+    # disable-prefix-caching: <user> is the same setting and must replace it, in its
+    # place, not render a second, contradicting flag (found by the round-trip property).
+    if "disable-prefix-caching" not in _TABLE.options:
+        pytest.fail("the shipped serve table should be 0.33's, which has --disable-prefix-caching")
+    preset = resolve_serve("h200-tp8-ep")
+    assert preset.args["enable-prefix-caching"] is False
+    mine = write(tmp_path, "mine.yaml", f"dsv4: {{extends: h200-tp8-ep}}\ndisable-prefix-caching: {str(user).lower()}\n")
+    config = resolve_serve(str(mine))
+    assert "enable-prefix-caching" not in config.args
+    assert config.args["disable-prefix-caching"] is user
+    argv = config.to_argv()
+    caching = [a for a in argv if "prefix-caching" in a]
+    assert caching == (["--enable-prefix-caching"] if not user else ["--disable-prefix-caching"])
+    # in the preset's place, and the rendered config file reads back to the same command
+    assert argv.index(caching[0]) == preset.to_argv().index("--no-enable-prefix-caching")
+    again = resolve_serve(str(write(tmp_path, "again.yaml", config.to_config_yaml())))
+    assert again.to_argv() == argv
+    # --set with the other spelling, and null removing both spellings
+    flipped = resolve_serve(str(mine), sets=["enable-prefix-caching=false"])
+    assert [a for a in flipped.to_argv() if "prefix-caching" in a] == ["--no-enable-prefix-caching"]
+    removed = resolve_serve(str(mine), sets=["enable-prefix-caching=null"])
+    assert not [k for k in removed.args if "prefix-caching" in k]

@@ -9,6 +9,7 @@ multi-node preset merges again when it switches node.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
@@ -84,13 +85,36 @@ def merge_options(target: dict[str, Any], update: Mapping[str, Any]) -> None:
             target[key] = value
 
 
+def merge_args(target: dict[str, Any], update: Mapping[str, Any]) -> None:
+    """:func:`merge_options` for vLLM options, where one boolean may have two names.
+
+    vLLM 0.33 spells some booleans two ways (``enable-x`` and ``disable-x``, one
+    setting).  A later layer that sets one spelling replaces an earlier layer's
+    other spelling in its place, and ``None`` removes both, so a user's
+    ``disable-prefix-caching: false`` over a preset's ``enable-prefix-caching:
+    false`` leaves one setting (prefix caching on), not two contradicting flags.
+    """
+    for key, value in update.items():
+        for other in bool_spellings(key) - {key}:
+            if other in target and key not in target:
+                if value is None:
+                    target.pop(other)
+                else:  # the other spelling's place, renamed: the rendering order holds
+                    items = [(key if k == other else k, v) for k, v in target.items()]
+                    target.clear()
+                    target.update(items)
+            else:
+                target.pop(other, None)
+        merge_options(target, {key: value})
+
+
 def apply_overrides(target: dict[str, Any], overrides: Iterable[Override]) -> None:
     """Apply ``--set`` overrides in order (a ``None`` value removes the key)."""
     for parts, value in overrides:
         nested: Any = value
         for part in reversed(parts[1:]):
             nested = {part: nested}
-        merge_options(target, {parts[0]: nested})
+        merge_args(target, {parts[0]: nested})
 
 
 # --------------------------------------------------------------------------- #
@@ -167,7 +191,8 @@ def env_text(value: Any) -> str:
 
 def _order(keys: Iterable[str], order: Sequence[str]) -> list[str]:
     keys = list(keys)
-    rank = {name: i for i, name in enumerate(order)}
+    # a boolean's other spelling (0.33's disable-x for enable-x) takes its place
+    rank = {alias: i for i, name in enumerate(order) for alias in bool_spellings(name)}
     known = sorted((k for k in keys if k in rank), key=rank.__getitem__)
     return known + [k for k in keys if k not in rank]
 
@@ -178,6 +203,27 @@ def _bool_spec(name: str) -> OptionSpec | None:
         if spec is not None and spec.kind == "bool":
             return spec
     return None
+
+
+@functools.cache
+def bool_spellings(name: str) -> frozenset[str]:
+    """Every option name that sets the same boolean as ``name``, ``name`` included.
+
+    On vLLM 0.33 ``enable-x`` and ``disable-x`` are one setting (the table's
+    ``negated_by`` links them); elsewhere, and for non-booleans, just ``name``.
+    """
+    spec = _bool_spec(name)
+    if spec is None:
+        return frozenset({name})
+    names = {name}
+    if spec.negated_by and _bool_spec(spec.negated_by) is not None:
+        names.add(spec.negated_by)
+    for prefix, inverse in (("enable-", "disable-"), ("disable-", "enable-")):
+        partner = inverse + name.removeprefix(prefix)
+        other = _bool_spec(partner) if name.startswith(prefix) else None
+        if other is not None and other.negated_by == name:
+            names.add(partner)
+    return frozenset(names)
 
 
 def _is_bool_option(name: str) -> bool:
@@ -267,7 +313,7 @@ class ServeConfig:
         args = dict(self.common_args)
         env: dict[str, Any] = dict(self.common_env)
         if spec is not None:
-            merge_options(args, spec.args)
+            merge_args(args, spec.args)
             merge_options(env, spec.env)
         apply_overrides(args, self.overrides)
         merge_options(env, dict(self.env_overrides))

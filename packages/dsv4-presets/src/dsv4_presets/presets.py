@@ -58,6 +58,7 @@ from dsv4_presets.configs import (
     ServeConfig,
     apply_overrides,
     canonical_bool,
+    merge_args,
     merge_options,
     nodes_from_data,
 )
@@ -285,7 +286,7 @@ def _apply(file: _File, out: _Resolved, stack: tuple[str, ...], kinds: Sequence[
         if model is not None and not isinstance(model, str):
             raise PresetError(f"{file.source}: 'model' must be a string, got {model!r}")
         out.model = model
-    merge_options(out.args, args)
+    merge_args(out.args, args)
     env = file.meta.get("env")
     if env is not None:
         if not isinstance(env, dict):
