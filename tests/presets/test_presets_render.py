@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4_presets import PresetError, resolve_bench, resolve_serve
+from dsv4_presets.merge import bool_spellings
 from dsv4_presets.presets import (
     layer_names,
     list_presets,
@@ -19,7 +20,6 @@ from dsv4_presets.presets import (
     preset_kind,
     serve_preset_names,
 )
-from dsv4_presets.configs import bool_spellings
 from dsv4_presets.schema import check_value, shipped_table
 
 # The seed PR's `vllm serve` command, verbatim.
@@ -476,7 +476,8 @@ def test_a_later_layer_s_other_spelling_replaces_the_setting(tmp_path, user):
         pytest.fail("the shipped serve table should be 0.33's, which has --disable-prefix-caching")
     preset = resolve_serve("h200-tp8-ep")
     assert preset.args["enable-prefix-caching"] is False
-    mine = write(tmp_path, "mine.yaml", f"dsv4: {{extends: h200-tp8-ep}}\ndisable-prefix-caching: {str(user).lower()}\n")
+    text = f"dsv4: {{extends: h200-tp8-ep}}\ndisable-prefix-caching: {str(user).lower()}\n"
+    mine = write(tmp_path, "mine.yaml", text)
     config = resolve_serve(str(mine))
     assert "enable-prefix-caching" not in config.args
     assert config.args["disable-prefix-caching"] is user

@@ -2,23 +2,31 @@
 
 :mod:`dsv4_presets.presets` reads preset files and resolves them into these
 objects; everything here works on the resolved values only.  The one merge
-rule of the project lives here too (:func:`merge_options`), because a
-multi-node preset merges again when it switches node.
+rule of the project (:mod:`dsv4_presets.merge`) is applied here again when a
+multi-node preset switches node.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from dsv4_presets.schema import OptionSpec, config_value, render_option, shipped_table
+from dsv4_presets.merge import (
+    Override,
+    _bool_spec,
+    apply_overrides,
+    bool_spellings,
+    canonical_bool,
+    merge_args,
+    merge_options,
+)
+from dsv4_presets.schema import config_value, render_option, shipped_table
 
 # Rendering order: options are grouped by topic so that renderings of different
 # presets line up; options not listed follow in the order the layers set them.
@@ -59,62 +67,9 @@ BENCH_ORDER = (
     "seed",
 )
 
-Override = tuple[tuple[str, ...], Any]
-"""One ``--set`` option override: the key path (``("speculative-config", "method")``) and value."""
-
 
 class PresetError(ValueError):
     """A preset cannot be loaded or resolved (bad file, unknown name, bad ``--set``)."""
-
-
-# --------------------------------------------------------------------------- #
-# Merging (the one rule for layers, nodes and --set)
-# --------------------------------------------------------------------------- #
-
-
-def merge_options(target: dict[str, Any], update: Mapping[str, Any]) -> None:
-    """Apply ``update`` over ``target``: mappings merge, ``None`` deletes, others replace."""
-    for key, value in update.items():
-        if value is None:
-            target.pop(key, None)
-        elif isinstance(value, Mapping):
-            merged = dict(target[key]) if isinstance(target.get(key), dict) else {}
-            merge_options(merged, value)
-            target[key] = merged
-        else:
-            target[key] = value
-
-
-def merge_args(target: dict[str, Any], update: Mapping[str, Any]) -> None:
-    """:func:`merge_options` for vLLM options, where one boolean may have two names.
-
-    vLLM 0.33 spells some booleans two ways (``enable-x`` and ``disable-x``, one
-    setting).  A later layer that sets one spelling replaces an earlier layer's
-    other spelling in its place, and ``None`` removes both, so a user's
-    ``disable-prefix-caching: false`` over a preset's ``enable-prefix-caching:
-    false`` leaves one setting (prefix caching on), not two contradicting flags.
-    """
-    for key, value in update.items():
-        for other in bool_spellings(key) - {key}:
-            if other in target and key not in target:
-                if value is None:
-                    target.pop(other)
-                else:  # the other spelling's place, renamed: the rendering order holds
-                    items = [(key if k == other else k, v) for k, v in target.items()]
-                    target.clear()
-                    target.update(items)
-            else:
-                target.pop(other, None)
-        merge_options(target, {key: value})
-
-
-def apply_overrides(target: dict[str, Any], overrides: Iterable[Override]) -> None:
-    """Apply ``--set`` overrides in order (a ``None`` value removes the key)."""
-    for parts, value in overrides:
-        nested: Any = value
-        for part in reversed(parts[1:]):
-            nested = {part: nested}
-        merge_args(target, {parts[0]: nested})
 
 
 # --------------------------------------------------------------------------- #
@@ -195,46 +150,6 @@ def _order(keys: Iterable[str], order: Sequence[str]) -> list[str]:
     rank = {alias: i for i, name in enumerate(order) for alias in bool_spellings(name)}
     known = sorted((k for k in keys if k in rank), key=rank.__getitem__)
     return known + [k for k in keys if k not in rank]
-
-
-def _bool_spec(name: str) -> OptionSpec | None:
-    for command in ("serve", "bench"):
-        spec = shipped_table(command).get(name)
-        if spec is not None and spec.kind == "bool":
-            return spec
-    return None
-
-
-@functools.cache
-def bool_spellings(name: str) -> frozenset[str]:
-    """Every option name that sets the same boolean as ``name``, ``name`` included.
-
-    On vLLM 0.33 ``enable-x`` and ``disable-x`` are one setting (the table's
-    ``negated_by`` links them); elsewhere, and for non-booleans, just ``name``.
-    """
-    spec = _bool_spec(name)
-    if spec is None:
-        return frozenset({name})
-    names = {name}
-    if spec.negated_by and _bool_spec(spec.negated_by) is not None:
-        names.add(spec.negated_by)
-    for prefix, inverse in (("enable-", "disable-"), ("disable-", "enable-")):
-        partner = inverse + name.removeprefix(prefix)
-        other = _bool_spec(partner) if name.startswith(prefix) else None
-        if other is not None and other.negated_by == name:
-            names.add(partner)
-    return frozenset(names)
-
-
-def _is_bool_option(name: str) -> bool:
-    return _bool_spec(name) is not None
-
-
-def canonical_bool(name: str, value: Any) -> tuple[str, Any]:
-    """``no-enable-prefix-caching: true`` is read as ``enable-prefix-caching: false``."""
-    if name.startswith("no-") and isinstance(value, bool) and _is_bool_option(name[3:]):
-        return name[3:], not value
-    return name, value
 
 
 def _config_bool(key: str, value: Any) -> tuple[str, Any]:

@@ -3,7 +3,7 @@
 ``tensor-parallel-size=4`` sets an option, ``speculative-config.method=dspark``
 one key of a JSON option, ``env.NAME=VALUE`` an environment variable,
 ``model=...`` the model, and ``KEY=null`` removes a key.  Values are YAML.
-Applying the option overrides is :func:`dsv4_presets.configs.apply_overrides`.
+Applying the option overrides is :func:`dsv4_presets.merge.apply_overrides`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from dsv4_presets.configs import Override, PresetError
+from dsv4_presets.configs import PresetError
+from dsv4_presets.merge import Override
 
 __all__ = ["Sets", "parse_set", "parse_sets"]
 

@@ -33,8 +33,9 @@ what vLLM has no option for and is never passed to vLLM:
     the oldest vLLM release the preset works with (``dsv4 validate`` checks it).
 
 Later layers override earlier ones key by key; mappings (``speculative-config``,
-``env``) merge key by key; a ``null`` value removes the key
-(:func:`dsv4_presets.configs.merge_options`).
+``env``) merge key by key; a ``null`` value removes the key; a boolean's two
+vLLM 0.33 spellings (``enable-x``, ``disable-x``) are one key
+(:mod:`dsv4_presets.merge`).
 """
 
 from __future__ import annotations
@@ -56,12 +57,9 @@ from dsv4_presets.configs import (
     NodeSpec,
     PresetError,
     ServeConfig,
-    apply_overrides,
-    canonical_bool,
-    merge_args,
-    merge_options,
     nodes_from_data,
 )
+from dsv4_presets.merge import apply_overrides, canonical_bool, merge_args, merge_options
 from dsv4_presets.overrides import parse_set, parse_sets
 
 __all__ = [

@@ -38,7 +38,8 @@ import yaml
 
 from dsv4_presets.findings import Finding
 from dsv4_presets.presets import BenchConfig, ServeConfig
-from dsv4_presets.schema import SNAPSHOT_FILES, OptionTable, snapshot_from_parser
+from dsv4_presets.schema import SNAPSHOT_FILES, OptionTable
+from dsv4_presets.schema_snapshot import snapshot_from_parser
 from dsv4_presets.vllm_releases import ReleaseFacts, facts_for
 
 SKIPPED = (
