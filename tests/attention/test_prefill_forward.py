@@ -285,6 +285,23 @@ def test_bad_input(
         fn(q, plan, **kw)
 
 
+def test_reference_takes_the_forward_s_own_signature(
+    small: tuple[Scenario, StepInputs, PrefillPlan],
+) -> None:
+    # reference_forward_prefill binds its keywords with forward_prefill's signature:
+    # an unknown or missing keyword is refused by name, group_size with the reason.
+    sc, inputs, plan = small
+    kw = layer_kwargs(sc, "swa", inputs)
+    q = random_q(5, 2, generator=sc.g, device=sc.device)
+    with pytest.raises(TypeError, match="swa_blok_size"):
+        reference_forward_prefill(q, plan, swa_blok_size=64, **kw)
+    missing = {k: v for k, v in kw.items() if k != "scale"}
+    with pytest.raises(TypeError, match="scale"):
+        reference_forward_prefill(q, plan, **missing)
+    with pytest.raises(ValueError, match="group_size: reference_forward_prefill builds per-token"):
+        reference_forward_prefill(q, plan, group_size=2, **kw)
+
+
 def test_q_shorter_than_the_chunk_is_refused(
     small: tuple[Scenario, StepInputs, PrefillPlan],
 ) -> None:

@@ -1,9 +1,5 @@
 """The prefill forward of one DeepSeek-V4 attention layer, straight from the FP8 pages.
 
-(Over 500 lines: the plan, which builds its rows into the preallocated scratch,
-and the forward with its torch reference share the same argument checks; moving
-the reference and its shared prologue out is issue 23's remaining work.)
-
 vLLM 0.32 runs DSV4's sparse prefill as gather (FP8 pages -> bf16 workspace),
 combine (workspace rows) and FlashMLA on query heads padded to 64.  Here a
 layer's prefill is two steps on the heads it really has:
@@ -43,6 +39,7 @@ dequantises exactly those slots and computes in float32.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -50,318 +47,12 @@ import torch
 import dsv4_kernels as dk
 from dsv4_kernels import reference as dk_ref
 from dsv4_kernels import sparse_mla
-from dsv4_kernels.geometry import SWA_BLOCK_SIZE, WINDOW_SIZE, slots_per_page
+from dsv4_kernels.geometry import SWA_BLOCK_SIZE
 from dsv4_kernels.reference import sparse_mla as ref_attention
 
-from .scratch import PrefillScratch
+from .prefill_plan import PrefillPlan, _check_comp_args, _check_ratio
 
 __all__ = ["PrefillPlan", "forward_prefill", "reference_forward_prefill"]
-
-LAYER_RATIOS = (1, 4, 128)  # SWA-only, C4A, C128A
-
-
-def _table_key(kind: str, table: torch.Tensor, *extra: int) -> tuple[Any, ...]:
-    return (kind, table.data_ptr(), tuple(table.shape), tuple(table.stride()), *extra)
-
-
-class PrefillPlan:
-    """One step's prefill chunk and the index rows every layer of a type shares.
-
-    Build one per step (per forward pass) from the step's metadata; the first
-    layer of each type builds the shared rows, the others reuse them.  Rows
-    are cached per block table (window cache group, C128A cache group), so
-    layers whose caches sit in different KV-cache groups each get rows through
-    their own block table.  A plan must not outlive its step: it holds the
-    block tables it has seen (so their memory cannot be reused for another
-    table within the step) and assumes their contents do not change.
-
-    Args:
-        query_start_loc: ``[num_reqs + 1]`` int32 cumulative query lengths of
-            the prefill requests (a slice of vLLM's, nonzero first element fine).
-        seq_lens: ``[>= num_reqs]`` int32 tokens of each request including
-            this chunk.
-        num_tokens: prefill query tokens, ``query_start_loc[-1] -
-            query_start_loc[0]`` (a host int).
-        window_size: sliding window W (128).
-        left_visible, right_visible: vLLM's in-image visibility; must be None
-            (batches with images take vLLM's own prefill).
-        check_values: check value-dependent facts on CUDA tensors too (reads
-            them back; CPU tensors are always checked).
-        scratch: preallocated buffers (:class:`~dsv4_attention.scratch.PrefillScratch`)
-            that every row of the step is built into, so the step allocates nothing;
-            a step that needs more raises
-            :class:`~dsv4_attention.scratch.ScratchTooSmall`.  None: the rows are
-            allocated by torch.
-    """
-
-    def __init__(
-        self,
-        query_start_loc: torch.Tensor,
-        seq_lens: torch.Tensor,
-        *,
-        num_tokens: int,
-        window_size: int = WINDOW_SIZE,
-        left_visible: torch.Tensor | None = None,
-        right_visible: torch.Tensor | None = None,
-        check_values: bool = False,
-        scratch: PrefillScratch | None = None,
-    ) -> None:
-        if left_visible is not None or right_visible is not None:
-            raise ValueError(
-                "left_visible/right_visible given: in-image bidirectional visibility is not "
-                "supported by the head-exact prefill; batches with images must take vLLM's own "
-                "prefill path"
-            )
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-        self.query_start_loc = query_start_loc
-        self.seq_lens = seq_lens
-        self.num_tokens = num_tokens
-        self.window_size = window_size
-        self.check_values = check_values
-        self._rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        # grouped rows: (the block table, to keep it alive; the rows built with it)
-        self._grouped: dict[tuple[Any, ...], tuple[torch.Tensor, Any]] = {}
-        self.launches = 0  # index-build launches so far (for tests and logs)
-        self.scratch = scratch
-        self._slots: dict[tuple[Any, ...], int] = {}
-
-    def _slot(self, kind: str, key: tuple[Any, ...], available: int) -> int:
-        """The scratch slot of rows ``key`` (one per distinct table and row shape)."""
-        if key not in self._slots:
-            used = sum(1 for k in self._slots if k[0].endswith(kind))
-            if used >= available:
-                from .scratch import ScratchTooSmall
-
-                raise ScratchTooSmall(
-                    f"the step has more than {available} distinct {kind} row sets"
-                )
-            self._slots[key] = used
-        return self._slots[key]
-
-    def _window_outs(self, key: tuple[Any, ...], group: int) -> dict[str, torch.Tensor]:
-        if self.scratch is None:
-            return {}
-        slot = self._slot("window", key, self.scratch.spec.window_slots)
-        T, take = self.num_tokens, self.scratch.take
-        outs = {
-            "window_out": take(f"window{slot}", (T, self.window_size + group - 1)),
-            "window_lens_out": take(f"window{slot}_lens", (T,)),
-        }
-        if group > 1:
-            outs["leads_out"] = take(f"window{slot}_leads", (T,))
-            outs["starts_out"] = take(f"window{slot}_starts", (T,))
-        return outs
-
-    def _comp_outs(
-        self, ratio: int, key: tuple[Any, ...] | None, width: int, group: int = 1
-    ) -> dict[str, torch.Tensor]:
-        if self.scratch is None:
-            return {}
-        T, take = self.num_tokens, self.scratch.take
-        if ratio == 4:
-            return {"comp_out": take("c4a", (T, width)), "comp_lens_out": take("c4a_lens", (T,))}
-        assert key is not None
-        slot = self._slot("c128a", key, self.scratch.spec.c128a_slots)
-        outs = {
-            "comp_out": take(f"c128a{slot}", (T, width)),
-            "comp_lens_out": take(f"c128a{slot}_lens", (T,)),
-        }
-        if group > 1:  # a grouped build writes each token's leader too
-            outs["leads_out"] = take(f"c128a{slot}_leads", (T,))
-        return outs
-
-    def _build(self, **kwargs: Any) -> dk.PrefillIndices:
-        self.launches += 1
-        return dk.build_prefill_indices(
-            self.query_start_loc,
-            self.seq_lens,
-            num_tokens=self.num_tokens,
-            window_size=self.window_size,
-            check_values=self.check_values,
-            **kwargs,
-        )
-
-    def layer_rows(
-        self,
-        compress_ratio: int,
-        *,
-        window_block_table: torch.Tensor,
-        window_block_size: int = SWA_BLOCK_SIZE,
-        comp_block_table: torch.Tensor | None = None,
-        comp_block_size: int | None = None,
-        topk_indices: torch.Tensor | None = None,
-        c128a_topk: int | None = None,
-        group_size: int = 1,
-    ) -> dk.PrefillIndices | dk.GroupedPrefillIndices:
-        """The index rows of one layer: cached window / C128A rows, fresh C4A rows.
-
-        At most one launch: a C128A layer whose window and C128A rows are both
-        missing builds them together; a C4A layer builds its top-k rows (and
-        the window rows with them when they are missing).  With ``group_size >
-        1`` an SWA-only or C128A layer gets grouped rows
-        (:func:`dsv4_kernels.build_grouped_prefill_indices`, cached per group
-        size like the others); C4A rows are always per token.
-        """
-        comp_block_size = _check_comp_args(
-            compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
-        )
-        if group_size > 1 and compress_ratio != 4:
-            return self._grouped_rows(
-                compress_ratio,
-                group_size,
-                window_block_table,
-                window_block_size,
-                comp_block_table,
-                comp_block_size,
-                c128a_topk,
-            )
-        wkey = _table_key("window", window_block_table, window_block_size)
-        window = self._rows.get(wkey)
-        comp = comp_lens = None
-        ckey = None
-        if compress_ratio == 128:
-            assert comp_block_table is not None and comp_block_size is not None
-            assert c128a_topk is not None
-            ckey = _table_key("c128a", comp_block_table, comp_block_size, c128a_topk)
-            cached = self._rows.get(ckey)
-            if cached is not None:
-                comp, comp_lens = cached[1], cached[2]
-
-        need_comp = compress_ratio == 4 or (compress_ratio == 128 and comp is None)
-        if window is None or need_comp:
-            outs = self._window_outs(wkey, 1) if window is None else {}
-            if need_comp:
-                width = c128a_topk if compress_ratio == 128 else None
-                if width is None:
-                    assert topk_indices is not None
-                    width = int(topk_indices.shape[1])
-                outs.update(self._comp_outs(compress_ratio, ckey, width))
-            built = self._build(
-                **outs,
-                window_block_table=window_block_table if window is None else None,
-                window_block_size=window_block_size,
-                compress_ratio=compress_ratio if need_comp else None,
-                comp_block_table=comp_block_table if need_comp else None,
-                comp_block_size=comp_block_size if need_comp else None,
-                topk_indices=topk_indices if need_comp else None,
-                topk=c128a_topk if need_comp and compress_ratio == 128 else None,
-            )
-            if window is None:
-                assert built.window is not None and built.window_lens is not None
-                window = (window_block_table, built.window, built.window_lens)
-                self._rows[wkey] = window
-            if need_comp:
-                comp, comp_lens = built.comp, built.comp_lens
-                if ckey is not None:
-                    assert comp is not None and comp_lens is not None
-                    self._rows[ckey] = (comp_block_table, comp, comp_lens)  # type: ignore[assignment]
-        return dk.PrefillIndices(window[1], window[2], comp, comp_lens)
-
-    def _grouped_rows(
-        self,
-        compress_ratio: int,
-        group_size: int,
-        window_block_table: torch.Tensor,
-        window_block_size: int,
-        comp_block_table: torch.Tensor | None,
-        comp_block_size: int | None,
-        c128a_topk: int | None,
-    ) -> dk.GroupedPrefillIndices:
-        """Grouped rows of an SWA-only or C128A layer: the window part is cached per
-        window table and group size, the C128A part per compressed table too; one
-        launch builds whatever is missing."""
-        wkey = _table_key("grouped-window", window_block_table, window_block_size, group_size)
-        ckey = None
-        if compress_ratio == 128:
-            assert comp_block_table is not None and comp_block_size is not None
-            assert c128a_topk is not None
-            ckey = _table_key(
-                "grouped-c128a", comp_block_table, comp_block_size, c128a_topk, group_size
-            )
-        window = self._grouped.get(wkey)
-        comp = self._grouped.get(ckey) if ckey is not None else None
-        if window is None or (ckey is not None and comp is None):
-            outs = self._window_outs(wkey, group_size) if window is None else {}
-            if ckey is not None and comp is None:
-                assert c128a_topk is not None
-                outs.update(self._comp_outs(128, ckey, c128a_topk, group_size))
-            self.launches += 1
-            built = dk.build_grouped_prefill_indices(
-                self.query_start_loc,
-                self.seq_lens,
-                **outs,
-                num_tokens=self.num_tokens,
-                group_size=group_size,
-                window_block_table=window_block_table if window is None else None,
-                window_block_size=window_block_size,
-                window_size=self.window_size,
-                comp_block_table=comp_block_table if ckey is not None and comp is None else None,
-                comp_block_size=comp_block_size,
-                topk=c128a_topk if ckey is not None and comp is None else None,
-                check_values=self.check_values,
-            )
-            if window is None:
-                window = (window_block_table, built)
-                self._grouped[wkey] = window
-            if ckey is not None and comp is None:
-                assert comp_block_table is not None
-                comp = (comp_block_table, built)
-                self._grouped[ckey] = comp
-        w = window[1]
-        c = comp[1] if comp is not None else None
-        return dk.GroupedPrefillIndices(
-            w.leads,
-            group_size,
-            w.window,
-            w.window_starts,
-            w.window_lens,
-            None if c is None else c.comp,
-            None if c is None else c.comp_lens,
-        )
-
-
-def _check_ratio(compress_ratio: object) -> None:
-    if compress_ratio not in LAYER_RATIOS:
-        raise ValueError(
-            f"compress_ratio must be one of {LAYER_RATIOS} (SWA-only, C4A, C128A), "
-            f"got {compress_ratio!r}"
-        )
-
-
-def _check_comp_args(
-    compress_ratio: int,
-    comp_block_table: torch.Tensor | None,
-    comp_block_size: int | None,
-    topk_indices: torch.Tensor | None,
-    c128a_topk: int | None,
-) -> int | None:
-    """Check that the compressed-cache arguments match the ratio; return the page size."""
-    _check_ratio(compress_ratio)
-    if compress_ratio == 1:
-        for name, value in (
-            ("comp_block_table", comp_block_table),
-            ("topk_indices", topk_indices),
-            ("c128a_topk", c128a_topk),
-        ):
-            if value is not None:
-                raise ValueError(f"{name} must be None for SWA-only layers (compress_ratio 1)")
-        return None
-    if comp_block_table is None:
-        raise ValueError(f"comp_block_table is needed for compress_ratio {compress_ratio}")
-    if compress_ratio == 4:
-        if topk_indices is None:
-            raise ValueError("topk_indices (the indexer's top-k) is needed for C4A layers")
-        if c128a_topk is not None:
-            raise ValueError("c128a_topk must be None for C4A layers (their width is the top-k's)")
-    else:
-        if c128a_topk is None:
-            raise ValueError("c128a_topk (the C128A row width) is needed for compress_ratio 128")
-        if topk_indices is not None:
-            raise ValueError(
-                "topk_indices must be None for C128A layers (their rows are generated)"
-            )
-    return slots_per_page(compress_ratio) if comp_block_size is None else comp_block_size
 
 
 def _check_layer_args(
@@ -392,6 +83,41 @@ def _check_layer_args(
                 f"out must be [>= {plan.num_tokens}, {q.shape[1]}, {q.shape[2]}] like q's real "
                 f"heads, got {tuple(out.shape)}"
             )
+
+
+def _prologue(
+    q: torch.Tensor,
+    plan: PrefillPlan,
+    compress_ratio: int,
+    comp_cache: torch.Tensor | None,
+    out: torch.Tensor | None,
+    comp_block_table: torch.Tensor | None,
+    comp_block_size: int | None,
+    topk_indices: torch.Tensor | None,
+    c128a_topk: int | None,
+) -> int | None:
+    """The checks :func:`forward_prefill` and its reference share; the compressed page size."""
+    _check_layer_args(q, plan, compress_ratio, comp_cache, out)
+    return _check_comp_args(
+        compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
+    )
+
+
+def _attend(
+    attention: Any,
+    q: torch.Tensor,
+    rows: Any,
+    *,
+    comp_cache: torch.Tensor | None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Sparse MLA (``attention``: the kernel or its reference) over a layer's rows."""
+    assert rows.window is not None
+    result, _ = attention(
+        q, kwargs.pop("swa_cache"), rows.window, rows.window_lens, kwargs.pop("scale"),
+        comp_cache=comp_cache, comp_indices=rows.comp, comp_lens=rows.comp_lens, **kwargs,
+    )  # fmt: skip
+    return result
 
 
 def forward_prefill(
@@ -455,10 +181,8 @@ def forward_prefill(
             and everything :func:`dsv4_kernels.build_prefill_indices` and
             :func:`dsv4_kernels.sparse_mla_paged` refuse.
     """
-    _check_layer_args(q, plan, compress_ratio, comp_cache, out)
-    comp_block_size = _check_comp_args(
-        compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
-    )
+    comp_block_size = _prologue(q, plan, compress_ratio, comp_cache, out, comp_block_table,
+                                comp_block_size, topk_indices, c128a_topk)  # fmt: skip
     T = plan.num_tokens
     if group_size is None:
         group_size = sparse_mla.prefill_group_size(q) if compress_ratio != 4 else 1
@@ -472,95 +196,62 @@ def forward_prefill(
         c128a_topk=c128a_topk,
         group_size=group_size,
     )
-    assert rows.window is not None
     grouped: dict[str, Any] = {}
     if isinstance(rows, dk.GroupedPrefillIndices):
         grouped = dict(leads=rows.leads, group_size=rows.group_size, swa_starts=rows.window_starts)
     if lse is None and plan.scratch is not None:
         lse = plan.scratch.take("lse", (T, q.shape[1]))
-    result, _ = dk.sparse_mla_paged(
-        q[:T],
-        swa_cache,
-        rows.window,
-        rows.window_lens,
-        scale,
-        swa_block_size=swa_block_size,
-        attn_sink=attn_sink,
-        comp_cache=comp_cache,
-        comp_indices=rows.comp,
-        comp_lens=rows.comp_lens,
-        comp_block_size=comp_block_size,
-        out=None if out is None else out[:T],
-        lse=lse,
+    return _attend(
+        dk.sparse_mla_paged, q[:T], rows, scale=scale, swa_cache=swa_cache,
+        swa_block_size=swa_block_size, attn_sink=attn_sink, comp_cache=comp_cache,
+        comp_block_size=comp_block_size, out=None if out is None else out[:T], lse=lse,
         **grouped,
-    )
-    return result
+    )  # fmt: skip
 
 
-def reference_forward_prefill(
-    q: torch.Tensor,
-    plan: PrefillPlan,
-    *,
-    compress_ratio: int,
-    scale: float,
-    swa_cache: torch.Tensor,
-    swa_block_table: torch.Tensor,
-    swa_block_size: int = SWA_BLOCK_SIZE,
-    comp_cache: torch.Tensor | None = None,
-    comp_block_table: torch.Tensor | None = None,
-    comp_block_size: int | None = None,
-    topk_indices: torch.Tensor | None = None,
-    c128a_topk: int | None = None,
-    attn_sink: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`forward_prefill` in pure torch (same arguments; the plan's cached rows unused).
+_FORWARD = inspect.signature(forward_prefill)
 
-    The reference index rows, then the reference attention: the slots are
-    gathered and dequantised and the attention is computed in float32, on
-    any device, whatever ``TRITON_INTERPRET`` says.
+
+def reference_forward_prefill(q: torch.Tensor, plan: PrefillPlan, **layer: Any) -> torch.Tensor:
+    """:func:`forward_prefill` in pure torch (the plan's cached rows unused).
+
+    Takes :func:`forward_prefill`'s keyword arguments, bound by its signature (the
+    same defaults; an unknown keyword is a ``TypeError`` naming it), except
+    ``group_size``: the reference builds per-token rows.  The reference index
+    rows, then the reference attention: the slots are gathered and dequantised
+    and the attention is computed in float32, on any device, whatever
+    ``TRITON_INTERPRET`` says.
     """
-    _check_layer_args(q, plan, compress_ratio, comp_cache, out)
-    comp_block_size = _check_comp_args(
-        compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
-    )
+    if "group_size" in layer:
+        raise ValueError("group_size: reference_forward_prefill builds per-token rows; omit it")
+    a = _FORWARD.bind(q, plan, **layer)
+    a.apply_defaults()
+    b = a.arguments
+    ratio, topk_indices, c128a_topk = b["compress_ratio"], b["topk_indices"], b["c128a_topk"]
+    comp_block_size = _prologue(q, plan, ratio, b["comp_cache"], b["out"], b["comp_block_table"],
+                                b["comp_block_size"], topk_indices, c128a_topk)  # fmt: skip
     T = plan.num_tokens
+    topk = c128a_topk if ratio == 128 else None
+    if ratio == 4 and topk_indices is not None:
+        topk = topk_indices.shape[1]
     rows = dk_ref.build_prefill_indices(
         plan.query_start_loc,
         plan.seq_lens,
         num_tokens=T,
-        window_block_table=swa_block_table,
-        window_block_size=swa_block_size,
+        window_block_table=b["swa_block_table"],
+        window_block_size=b["swa_block_size"],
         window_size=plan.window_size,
-        compress_ratio=compress_ratio,
-        comp_block_table=comp_block_table if compress_ratio > 1 else None,
+        compress_ratio=ratio,
+        comp_block_table=b["comp_block_table"] if ratio > 1 else None,
         comp_block_size=comp_block_size,
-        topk_indices=topk_indices if compress_ratio == 4 else None,
-        topk=(
-            c128a_topk
-            if compress_ratio == 128
-            else topk_indices.shape[1]
-            if topk_indices is not None
-            else None
-        ),
+        topk_indices=topk_indices if ratio == 4 else None,
+        topk=topk,
     )
+    out = b["out"]
     if out is None:
         out = torch.empty((T, *q.shape[1:]), dtype=torch.bfloat16, device=q.device)
-    assert rows.window is not None
-    result, _ = ref_attention.sparse_mla_paged(
-        q[:T],
-        swa_cache,
-        rows.window,
-        rows.window_lens,
-        scale,
-        swa_block_size=swa_block_size,
-        attn_sink=attn_sink,
-        comp_cache=comp_cache,
-        comp_indices=rows.comp,
-        comp_lens=rows.comp_lens,
-        comp_block_size=comp_block_size,
-        out=out[:T],
-        lse=lse,
-    )
-    return result
+    return _attend(
+        ref_attention.sparse_mla_paged, q[:T], rows, scale=b["scale"], swa_cache=b["swa_cache"],
+        swa_block_size=b["swa_block_size"], attn_sink=b["attn_sink"], comp_cache=b["comp_cache"],
+        comp_block_size=comp_block_size, out=out[:T], lse=b["lse"],
+    )  # fmt: skip

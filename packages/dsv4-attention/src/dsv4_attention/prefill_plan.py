@@ -1,0 +1,325 @@
+"""The step's :class:`PrefillPlan`: a prefill chunk and the index rows its layers share.
+
+Split from :mod:`dsv4_attention.prefill` (which re-exports it): the plan builds
+each layer type's rows once per step (window and C128A rows per block table,
+C4A rows per layer), into the preallocated scratch when it has one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import dsv4_kernels as dk
+from dsv4_kernels.geometry import SWA_BLOCK_SIZE, WINDOW_SIZE, slots_per_page
+
+from .scratch import PrefillScratch
+
+__all__ = ["LAYER_RATIOS", "PrefillPlan"]
+
+LAYER_RATIOS = (1, 4, 128)  # SWA-only, C4A, C128A
+
+
+def _table_key(kind: str, table: torch.Tensor, *extra: int) -> tuple[Any, ...]:
+    return (kind, table.data_ptr(), tuple(table.shape), tuple(table.stride()), *extra)
+
+
+class PrefillPlan:
+    """One step's prefill chunk and the index rows every layer of a type shares.
+
+    Build one per step (per forward pass) from the step's metadata; the first
+    layer of each type builds the shared rows, the others reuse them.  Rows
+    are cached per block table (window cache group, C128A cache group), so
+    layers whose caches sit in different KV-cache groups each get rows through
+    their own block table.  A plan must not outlive its step: it holds the
+    block tables it has seen (so their memory cannot be reused for another
+    table within the step) and assumes their contents do not change.
+
+    Args:
+        query_start_loc: ``[num_reqs + 1]`` int32 cumulative query lengths of
+            the prefill requests (a slice of vLLM's, nonzero first element fine).
+        seq_lens: ``[>= num_reqs]`` int32 tokens of each request including
+            this chunk.
+        num_tokens: prefill query tokens, ``query_start_loc[-1] -
+            query_start_loc[0]`` (a host int).
+        window_size: sliding window W (128).
+        left_visible, right_visible: vLLM's in-image visibility; must be None
+            (batches with images take vLLM's own prefill).
+        check_values: check value-dependent facts on CUDA tensors too (reads
+            them back; CPU tensors are always checked).
+        scratch: preallocated buffers (:class:`~dsv4_attention.scratch.PrefillScratch`)
+            that every row of the step is built into, so the step allocates nothing;
+            a step that needs more raises
+            :class:`~dsv4_attention.scratch.ScratchTooSmall`.  None: the rows are
+            allocated by torch.
+    """
+
+    def __init__(
+        self,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        num_tokens: int,
+        window_size: int = WINDOW_SIZE,
+        left_visible: torch.Tensor | None = None,
+        right_visible: torch.Tensor | None = None,
+        check_values: bool = False,
+        scratch: PrefillScratch | None = None,
+    ) -> None:
+        if left_visible is not None or right_visible is not None:
+            raise ValueError(
+                "left_visible/right_visible given: in-image bidirectional visibility is not "
+                "supported by the head-exact prefill; batches with images must take vLLM's own "
+                "prefill path"
+            )
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        self.query_start_loc = query_start_loc
+        self.seq_lens = seq_lens
+        self.num_tokens = num_tokens
+        self.window_size = window_size
+        self.check_values = check_values
+        self._rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # grouped rows: (the block table, to keep it alive; the rows built with it)
+        self._grouped: dict[tuple[Any, ...], tuple[torch.Tensor, Any]] = {}
+        self.launches = 0  # index-build launches so far (for tests and logs)
+        self.scratch = scratch
+        self._slots: dict[tuple[Any, ...], int] = {}
+
+    def _slot(self, kind: str, key: tuple[Any, ...], available: int) -> int:
+        """The scratch slot of rows ``key`` (one per distinct table and row shape)."""
+        if key not in self._slots:
+            used = sum(1 for k in self._slots if k[0].endswith(kind))
+            if used >= available:
+                from .scratch import ScratchTooSmall
+
+                raise ScratchTooSmall(
+                    f"the step has more than {available} distinct {kind} row sets"
+                )
+            self._slots[key] = used
+        return self._slots[key]
+
+    def _window_outs(self, key: tuple[Any, ...], group: int) -> dict[str, torch.Tensor]:
+        if self.scratch is None:
+            return {}
+        slot = self._slot("window", key, self.scratch.spec.window_slots)
+        T, take = self.num_tokens, self.scratch.take
+        outs = {
+            "window_out": take(f"window{slot}", (T, self.window_size + group - 1)),
+            "window_lens_out": take(f"window{slot}_lens", (T,)),
+        }
+        if group > 1:
+            outs["leads_out"] = take(f"window{slot}_leads", (T,))
+            outs["starts_out"] = take(f"window{slot}_starts", (T,))
+        return outs
+
+    def _comp_outs(
+        self, ratio: int, key: tuple[Any, ...] | None, width: int, group: int = 1
+    ) -> dict[str, torch.Tensor]:
+        if self.scratch is None:
+            return {}
+        T, take = self.num_tokens, self.scratch.take
+        if ratio == 4:
+            return {"comp_out": take("c4a", (T, width)), "comp_lens_out": take("c4a_lens", (T,))}
+        assert key is not None
+        slot = self._slot("c128a", key, self.scratch.spec.c128a_slots)
+        outs = {
+            "comp_out": take(f"c128a{slot}", (T, width)),
+            "comp_lens_out": take(f"c128a{slot}_lens", (T,)),
+        }
+        if group > 1:  # a grouped build writes each token's leader too
+            outs["leads_out"] = take(f"c128a{slot}_leads", (T,))
+        return outs
+
+    def _build(self, **kwargs: Any) -> dk.PrefillIndices:
+        self.launches += 1
+        return dk.build_prefill_indices(
+            self.query_start_loc,
+            self.seq_lens,
+            num_tokens=self.num_tokens,
+            window_size=self.window_size,
+            check_values=self.check_values,
+            **kwargs,
+        )
+
+    def layer_rows(
+        self,
+        compress_ratio: int,
+        *,
+        window_block_table: torch.Tensor,
+        window_block_size: int = SWA_BLOCK_SIZE,
+        comp_block_table: torch.Tensor | None = None,
+        comp_block_size: int | None = None,
+        topk_indices: torch.Tensor | None = None,
+        c128a_topk: int | None = None,
+        group_size: int = 1,
+    ) -> dk.PrefillIndices | dk.GroupedPrefillIndices:
+        """The index rows of one layer: cached window / C128A rows, fresh C4A rows.
+
+        At most one launch: a C128A layer whose window and C128A rows are both
+        missing builds them together; a C4A layer builds its top-k rows (and
+        the window rows with them when they are missing).  With ``group_size >
+        1`` an SWA-only or C128A layer gets grouped rows
+        (:func:`dsv4_kernels.build_grouped_prefill_indices`, cached per group
+        size like the others); C4A rows are always per token.
+        """
+        comp_block_size = _check_comp_args(
+            compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
+        )
+        if group_size > 1 and compress_ratio != 4:
+            return self._grouped_rows(
+                compress_ratio,
+                group_size,
+                window_block_table,
+                window_block_size,
+                comp_block_table,
+                comp_block_size,
+                c128a_topk,
+            )
+        wkey = _table_key("window", window_block_table, window_block_size)
+        window = self._rows.get(wkey)
+        comp = comp_lens = None
+        ckey = None
+        if compress_ratio == 128:
+            assert comp_block_table is not None and comp_block_size is not None
+            assert c128a_topk is not None
+            ckey = _table_key("c128a", comp_block_table, comp_block_size, c128a_topk)
+            cached = self._rows.get(ckey)
+            if cached is not None:
+                comp, comp_lens = cached[1], cached[2]
+
+        need_comp = compress_ratio == 4 or (compress_ratio == 128 and comp is None)
+        if window is None or need_comp:
+            outs = self._window_outs(wkey, 1) if window is None else {}
+            if need_comp:
+                width = c128a_topk if compress_ratio == 128 else None
+                if width is None:
+                    assert topk_indices is not None
+                    width = int(topk_indices.shape[1])
+                outs.update(self._comp_outs(compress_ratio, ckey, width))
+            built = self._build(
+                **outs,
+                window_block_table=window_block_table if window is None else None,
+                window_block_size=window_block_size,
+                compress_ratio=compress_ratio if need_comp else None,
+                comp_block_table=comp_block_table if need_comp else None,
+                comp_block_size=comp_block_size if need_comp else None,
+                topk_indices=topk_indices if need_comp else None,
+                topk=c128a_topk if need_comp and compress_ratio == 128 else None,
+            )
+            if window is None:
+                assert built.window is not None and built.window_lens is not None
+                window = (window_block_table, built.window, built.window_lens)
+                self._rows[wkey] = window
+            if need_comp:
+                comp, comp_lens = built.comp, built.comp_lens
+                if ckey is not None:
+                    assert comp is not None and comp_lens is not None
+                    self._rows[ckey] = (comp_block_table, comp, comp_lens)  # type: ignore[assignment]
+        return dk.PrefillIndices(window[1], window[2], comp, comp_lens)
+
+    def _grouped_rows(
+        self,
+        compress_ratio: int,
+        group_size: int,
+        window_block_table: torch.Tensor,
+        window_block_size: int,
+        comp_block_table: torch.Tensor | None,
+        comp_block_size: int | None,
+        c128a_topk: int | None,
+    ) -> dk.GroupedPrefillIndices:
+        """Grouped rows of an SWA-only or C128A layer: the window part is cached per
+        window table and group size, the C128A part per compressed table too; one
+        launch builds whatever is missing."""
+        wkey = _table_key("grouped-window", window_block_table, window_block_size, group_size)
+        ckey = None
+        if compress_ratio == 128:
+            assert comp_block_table is not None and comp_block_size is not None
+            assert c128a_topk is not None
+            ckey = _table_key(
+                "grouped-c128a", comp_block_table, comp_block_size, c128a_topk, group_size
+            )
+        window = self._grouped.get(wkey)
+        comp = self._grouped.get(ckey) if ckey is not None else None
+        if window is None or (ckey is not None and comp is None):
+            outs = self._window_outs(wkey, group_size) if window is None else {}
+            if ckey is not None and comp is None:
+                assert c128a_topk is not None
+                outs.update(self._comp_outs(128, ckey, c128a_topk, group_size))
+            self.launches += 1
+            built = dk.build_grouped_prefill_indices(
+                self.query_start_loc,
+                self.seq_lens,
+                **outs,
+                num_tokens=self.num_tokens,
+                group_size=group_size,
+                window_block_table=window_block_table if window is None else None,
+                window_block_size=window_block_size,
+                window_size=self.window_size,
+                comp_block_table=comp_block_table if ckey is not None and comp is None else None,
+                comp_block_size=comp_block_size,
+                topk=c128a_topk if ckey is not None and comp is None else None,
+                check_values=self.check_values,
+            )
+            if window is None:
+                window = (window_block_table, built)
+                self._grouped[wkey] = window
+            if ckey is not None and comp is None:
+                assert comp_block_table is not None
+                comp = (comp_block_table, built)
+                self._grouped[ckey] = comp
+        w = window[1]
+        c = comp[1] if comp is not None else None
+        return dk.GroupedPrefillIndices(
+            w.leads,
+            group_size,
+            w.window,
+            w.window_starts,
+            w.window_lens,
+            None if c is None else c.comp,
+            None if c is None else c.comp_lens,
+        )
+
+
+def _check_ratio(compress_ratio: object) -> None:
+    if compress_ratio not in LAYER_RATIOS:
+        raise ValueError(
+            f"compress_ratio must be one of {LAYER_RATIOS} (SWA-only, C4A, C128A), "
+            f"got {compress_ratio!r}"
+        )
+
+
+def _check_comp_args(
+    compress_ratio: int,
+    comp_block_table: torch.Tensor | None,
+    comp_block_size: int | None,
+    topk_indices: torch.Tensor | None,
+    c128a_topk: int | None,
+) -> int | None:
+    """Check that the compressed-cache arguments match the ratio; return the page size."""
+    _check_ratio(compress_ratio)
+    if compress_ratio == 1:
+        for name, value in (
+            ("comp_block_table", comp_block_table),
+            ("topk_indices", topk_indices),
+            ("c128a_topk", c128a_topk),
+        ):
+            if value is not None:
+                raise ValueError(f"{name} must be None for SWA-only layers (compress_ratio 1)")
+        return None
+    if comp_block_table is None:
+        raise ValueError(f"comp_block_table is needed for compress_ratio {compress_ratio}")
+    if compress_ratio == 4:
+        if topk_indices is None:
+            raise ValueError("topk_indices (the indexer's top-k) is needed for C4A layers")
+        if c128a_topk is not None:
+            raise ValueError("c128a_topk must be None for C4A layers (their width is the top-k's)")
+    else:
+        if c128a_topk is None:
+            raise ValueError("c128a_topk (the C128A row width) is needed for compress_ratio 128")
+        if topk_indices is not None:
+            raise ValueError(
+                "topk_indices must be None for C128A layers (their rows are generated)"
+            )
+    return slots_per_page(compress_ratio) if comp_block_size is None else comp_block_size
