@@ -52,7 +52,7 @@ HOPPER_MAX_HEADS = 8  # C4A layers
 HOPPER_MAX_HEADS_SHARED_KEYS = 16  # SWA-only and C128A layers
 # C4A layers above HOPPER_MAX_HEADS, up to HOPPER_MAX_HEADS_SHARED_KEYS (V4-Pro TP8)
 # on Hopper take the head-exact prefill in steps whose C4A rows are short: run 17
-# (``python3 -m benchmarks.exp_context``, 16 heads) measured ours 1.18x faster than
+# (``python3 -m benchmarks.experiments.exp_context``, 16 heads) measured ours 1.18x faster than
 # FlashMLA plus gather at a mean of 248 valid keys per token, 1.08x at 380, even
 # at 638 and 1.07-1.11x slower from 895 keys to the full 1,152.
 C4A_SHORT_ROWS_MEAN_KEYS = 512

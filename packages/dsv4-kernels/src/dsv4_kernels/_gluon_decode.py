@@ -21,6 +21,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from ._gluon_sparse_mla import _attend_source, _cta_barrier, _rows
+from ._jit_layout import HEAD_DIM
 from ._triton_decode import SPLIT_RUNTIME_ARGS
 
 
@@ -43,13 +44,9 @@ def _decode_split_wgmma_kernel(
     qk_scale,
     A_SLOTS: gl.constexpr, A_HAS_LENS: gl.constexpr, HAS_B: gl.constexpr,
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr,
-    DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
     HT: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
 ):  # fmt: skip
     BN: gl.constexpr = 64
-    D: gl.constexpr = 512
-    QB: gl.constexpr = 64
-    NOPE_: gl.constexpr = 448
     HP: gl.constexpr = HT
     L_CODE: gl.constexpr = (
         gl.DistributedLinearLayout(
@@ -69,10 +66,14 @@ def _decode_split_wgmma_kernel(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16]
     )
     k_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [1, BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
+        gl.bfloat16,
+        [1, BN, HEAD_DIM],
+        gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], gl.bfloat16),
     )
     q_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [1, HP, D], gl.NVMMASharedLayout.get_default_for([HP, D], gl.bfloat16)
+        gl.bfloat16,
+        [1, HP, HEAD_DIM],
+        gl.NVMMASharedLayout.get_default_for([HP, HEAD_DIM], gl.bfloat16),
     )
     p_smem = gl.allocate_shared_memory(
         gl.bfloat16, [1, HP, BN], gl.NVMMASharedLayout.get_default_for([HP, BN], gl.bfloat16)
@@ -85,7 +86,7 @@ def _decode_split_wgmma_kernel(
     q_row = tq * q_stride_t + hq.to(gl.int64) * q_stride_h
     if IO_VEC:
         q_row = gl.multiple_of(q_row, 8)
-    dq = gl.arange(0, D, layout=gl.SliceLayout(0, L_Q))
+    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, L_Q))
     q = gl.load(
         q_ptr + gl.expand_dims(q_row, 1) + gl.expand_dims(dq, 0),
         mask=gl.expand_dims(q_ok, 1),
@@ -93,14 +94,14 @@ def _decode_split_wgmma_kernel(
     )
     if REG_A:  # q's columns in the order the register A operand's blocks take
         q = gl.reshape(q, [HP, 8, 2, 2, 2, 2, 2, 2])
-        q = gl.reshape(gl.permute(q, (0, 1, 4, 5, 6, 2, 3, 7)), [HP, D])
+        q = gl.reshape(gl.permute(q, (0, 1, 4, 5, 6, 2, 3, 7)), [HP, HEAD_DIM])
     q_smem.index(0).store(q)
     fence_async_shared()
     _cta_barrier()
 
     m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))
-    acc = gl.zeros([D, HP], gl.float32, layout=L_MMA)
+    acc = gl.zeros([HEAD_DIM, HP], gl.float32, layout=L_MMA)
 
     lo = s * chunk
     hi = lo + chunk
@@ -110,8 +111,8 @@ def _decode_split_wgmma_kernel(
     a0, a1 = _clip(lo, hi, 0, a_end)
     acc, m_i, l_i = _attend_source(
         acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride,
-        a0, a1, a1, a1, a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES,
-        SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
+        a0, a1, a1, a1, a_row_stride, a_num_rows, qk_scale, A_SLOTS, BN, HP, L_CODE, L_ROPE, L_MMA,
+        ASYNC_PV, REG_A, False,
     )  # fmt: skip
     if HAS_B:
         b_end = b_width
@@ -120,8 +121,8 @@ def _decode_split_wgmma_kernel(
         b0, b1 = _clip(lo, hi, a_width, b_end)
         acc, m_i, l_i = _attend_source(
             acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
-            b0, b1, b1, b1, b_row_stride, b_num_rows, qk_scale, B_SLOTS, DATA_BYTES,
-            SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
+            b0, b1, b1, b1, b_row_stride, b_num_rows, qk_scale, B_SLOTS, BN, HP, L_CODE, L_ROPE,
+            L_MMA, ASYNC_PV, REG_A, False,
         )  # fmt: skip
 
     _ts, hs, row_ok = _rows(t, t + 1, num_heads, HP, HT, gl.SliceLayout(0, L_MMA))
@@ -132,9 +133,9 @@ def _decode_split_wgmma_kernel(
     prow = pid.to(gl.int64) * num_heads
     gl.store(plse_ptr + prow + hs, lse2, mask=row_ok)
     o = gl.convert_layout(acc * gl.expand_dims(factor, 0), L_OUT)
-    do = gl.arange(0, D, layout=gl.SliceLayout(1, L_OUT))
+    do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, L_OUT))
     _to, ho, o_ok = _rows(t, t + 1, num_heads, HP, HT, gl.SliceLayout(0, L_OUT))
-    o_row = (prow + ho.to(gl.int64)) * D
+    o_row = (prow + ho.to(gl.int64)) * HEAD_DIM
     gl.store(
         po_ptr + gl.expand_dims(o_row, 0) + gl.expand_dims(do, 1),
         o,

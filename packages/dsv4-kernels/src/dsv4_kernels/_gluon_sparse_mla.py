@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ._jit_layout import DATA_BYTES, HEAD_DIM, NOPE, QBLOCK, SCALE_BYTES
 from ._triton_sparse_mla import RUNTIME_ARGS
 
 # Every thread of the program waits here (``bar.sync``): ``thread_barrier`` up to
@@ -65,8 +66,6 @@ def _gather(
     row_stride,
     num_rows,
     SLOTS: gl.constexpr,
-    DATA_BYTES: gl.constexpr,
-    SCALE_BYTES: gl.constexpr,
     BN: gl.constexpr,
     L_CODE: gl.constexpr,
 ):
@@ -88,29 +87,27 @@ def _load_tile(
     ok,
     data,
     scales,
-    QB: gl.constexpr,
-    NOPE_: gl.constexpr,
     L_CODE: gl.constexpr,
     L_ROPE: gl.constexpr,
 ):
     """The tile's raw bytes: seven ``[BN, 64]`` uint8 code blocks, the ``[BN]`` int64
     words of scale bytes and the ``[BN, 64]`` bf16 rope values."""
-    e = gl.arange(0, QB, layout=gl.SliceLayout(0, L_CODE))
+    e = gl.arange(0, QBLOCK, layout=gl.SliceLayout(0, L_CODE))
     m2 = gl.expand_dims(ok, 1)
     p2 = gl.expand_dims(data, 1) + gl.expand_dims(e, 0)
     c0 = gl.load(p2, mask=m2, other=0)
-    c1 = gl.load(p2 + QB, mask=m2, other=0)
-    c2 = gl.load(p2 + 2 * QB, mask=m2, other=0)
-    c3 = gl.load(p2 + 3 * QB, mask=m2, other=0)
-    c4 = gl.load(p2 + 4 * QB, mask=m2, other=0)
-    c5 = gl.load(p2 + 5 * QB, mask=m2, other=0)
-    c6 = gl.load(p2 + 6 * QB, mask=m2, other=0)
+    c1 = gl.load(p2 + QBLOCK, mask=m2, other=0)
+    c2 = gl.load(p2 + 2 * QBLOCK, mask=m2, other=0)
+    c3 = gl.load(p2 + 3 * QBLOCK, mask=m2, other=0)
+    c4 = gl.load(p2 + 4 * QBLOCK, mask=m2, other=0)
+    c5 = gl.load(p2 + 5 * QBLOCK, mask=m2, other=0)
+    c6 = gl.load(p2 + 6 * QBLOCK, mask=m2, other=0)
     # the seven scale bytes as one 8-byte word (byte 7 is padding)
     sb = gl.load(scales.to(gl.pointer_type(gl.int64)), mask=ok, other=0)
     ok_r = gl.convert_layout(ok, gl.SliceLayout(1, L_ROPE))
     data_r = gl.convert_layout(data, gl.SliceLayout(1, L_ROPE))
-    er = gl.arange(0, QB, layout=gl.SliceLayout(0, L_ROPE))
-    rope_ptr = (data_r + NOPE_).to(gl.pointer_type(gl.bfloat16))
+    er = gl.arange(0, QBLOCK, layout=gl.SliceLayout(0, L_ROPE))
+    rope_ptr = (data_r + NOPE).to(gl.pointer_type(gl.bfloat16))
     rope = gl.load(
         gl.expand_dims(rope_ptr, 1) + gl.expand_dims(er, 0), mask=gl.expand_dims(ok_r, 1), other=0.0
     )
@@ -128,9 +125,9 @@ def _block_bf16(codes, sb, b: gl.constexpr):
 
 
 @gluon.jit
-def _block_to_smem(codes, sb, b: gl.constexpr, k_smem, QB: gl.constexpr):
+def _block_to_smem(codes, sb, b: gl.constexpr, k_smem):
     """Code block ``b`` dequantised into columns ``64 b .. 64 b + 64`` of the shared tile."""
-    k_smem.slice(b * QB, QB, dim=1).store(_block_bf16(codes, sb, b))
+    k_smem.slice(b * QBLOCK, QBLOCK, dim=1).store(_block_bf16(codes, sb, b))
 
 
 @gluon.jit
@@ -176,12 +173,8 @@ def _attend_source(
     num_rows,
     qk_scale,
     SLOTS: gl.constexpr,
-    DATA_BYTES: gl.constexpr,
-    SCALE_BYTES: gl.constexpr,
     BN: gl.constexpr,
     HP: gl.constexpr,
-    QB: gl.constexpr,
-    NOPE_: gl.constexpr,
     L_CODE: gl.constexpr,
     L_ROPE: gl.constexpr,
     L_MMA: gl.constexpr,
@@ -194,7 +187,7 @@ def _attend_source(
     ``row_lo[r] <= j < row_hi[r]``.  With ``ASYNC_PV`` the ``P V`` product of a tile runs
     while the next tile's bytes are loaded."""
     ok, data, scales = _gather(
-        src_ptr, idx_row_ptr, lo, length, row_stride, num_rows, SLOTS, DATA_BYTES, SCALE_BYTES,
+        src_ptr, idx_row_ptr, lo, length, row_stride, num_rows, SLOTS,
         BN, L_CODE,
     )  # fmt: skip
     if ASYNC_PV:  # the loop carries the accumulator of an MMA in flight
@@ -209,15 +202,12 @@ def _attend_source(
         k_smem = k_all.index(z)
         q_smem = q_all.index(z)
         p_smem = p_all.index(z)
-        c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(
-            ok, data, scales, QB, NOPE_, L_CODE, L_ROPE
-        )
+        c0, c1, c2, c3, c4, c5, c6, sb, rope = _load_tile(ok, data, scales, L_CODE, L_ROPE)
         ok_s = gl.convert_layout(ok, gl.SliceLayout(1, L_MMA))
         # the next tile's index entries, the first of its two dependent loads, before this
         # tile's math (measured the same as after it: run 7)
         ok, data, scales = _gather(
-            src_ptr, idx_row_ptr, start + BN, length, row_stride, num_rows, SLOTS, DATA_BYTES,
-            SCALE_BYTES, BN, L_CODE,
+            src_ptr, idx_row_ptr, start + BN, length, row_stride, num_rows, SLOTS, BN, L_CODE,
         )  # fmt: skip
         if ASYNC_PV:  # the previous tile's P V must be done before its tile is overwritten
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -229,20 +219,20 @@ def _attend_source(
             s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)
             codes = (c0, c1, c2, c3, c4, c5, c6)
             v = _block_bf16(c0, sb, 0)
-            k_smem.slice(0, QB, dim=1).store(v)
+            k_smem.slice(0, QBLOCK, dim=1).store(v)
             s, a = _qk_block(v, q_smem, 0, s, v, True, L_A)
             for b in gl.static_range(1, 7):
                 v = _block_bf16(codes[b], sb, b)
-                k_smem.slice(b * QB, QB, dim=1).store(v)
+                k_smem.slice(b * QBLOCK, QBLOCK, dim=1).store(v)
                 s, a = _qk_block(v, q_smem, b, s, a, False, L_A)
-            k_smem.slice(NOPE_, QB, dim=1).store(rope)
+            k_smem.slice(NOPE, QBLOCK, dim=1).store(rope)
             s, a = _qk_block(rope, q_smem, 7, s, a, False, L_A)
             s, a = warpgroup_mma_wait(num_outstanding=0, deps=(s, a))
         else:
             codes = (c0, c1, c2, c3, c4, c5, c6)
             for b in gl.static_range(7):
-                _block_to_smem(codes[b], sb, b, k_smem, QB)
-            k_smem.slice(NOPE_, QB, dim=1).store(rope)
+                _block_to_smem(codes[b], sb, b, k_smem)
+            k_smem.slice(NOPE, QBLOCK, dim=1).store(rope)
             fence_async_shared()
             _cta_barrier()
             s = gl.zeros([BN, HP], gl.float32, layout=L_MMA)
@@ -304,7 +294,6 @@ def _sparse_mla_wgmma_kernel(
     lead_ptr, a_start_ptr, b_start_ptr,
     A_SLOTS: gl.constexpr, A_HAS_LENS: gl.constexpr, HAS_B: gl.constexpr,
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr, HAS_SINK: gl.constexpr,
-    DATA_BYTES: gl.constexpr, SCALE_BYTES: gl.constexpr,
     HT: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
     G: gl.constexpr = 1, A_HAS_STARTS: gl.constexpr = False,
     B_HAS_STARTS: gl.constexpr = False,
@@ -315,9 +304,6 @@ def _sparse_mla_wgmma_kernel(
     each key is loaded and dequantised once for all of them.  MMA rows: ``G`` tokens x
     ``HT`` heads."""
     BN: gl.constexpr = 64
-    D: gl.constexpr = 512
-    QB: gl.constexpr = 64
-    NOPE_: gl.constexpr = 448
     HP: gl.constexpr = G * HT
     # 16-byte rows of FP8 codes and bf16 values, 4 threads per 64-column block
     # (REG_A: rows as wgmma's accumulator rows, so the codes' registers relabel as its A
@@ -340,10 +326,14 @@ def _sparse_mla_wgmma_kernel(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16]
     )
     k_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [1, BN, D], gl.NVMMASharedLayout.get_default_for([BN, D], gl.bfloat16)
+        gl.bfloat16,
+        [1, BN, HEAD_DIM],
+        gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], gl.bfloat16),
     )
     q_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [1, HP, D], gl.NVMMASharedLayout.get_default_for([HP, D], gl.bfloat16)
+        gl.bfloat16,
+        [1, HP, HEAD_DIM],
+        gl.NVMMASharedLayout.get_default_for([HP, HEAD_DIM], gl.bfloat16),
     )
     p_smem = gl.allocate_shared_memory(
         gl.bfloat16, [1, HP, BN], gl.NVMMASharedLayout.get_default_for([HP, BN], gl.bfloat16)
@@ -356,7 +346,7 @@ def _sparse_mla_wgmma_kernel(
     q_row = tq * q_stride_t + hq.to(gl.int64) * q_stride_h
     if IO_VEC:  # strides of whole 16-byte vectors (the launcher checked): 16-byte accesses
         q_row = gl.multiple_of(q_row, 8)
-    dq = gl.arange(0, D, layout=gl.SliceLayout(0, L_Q))
+    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, L_Q))
     q = gl.load(
         q_ptr + gl.expand_dims(q_row, 1) + gl.expand_dims(dq, 0),
         mask=gl.expand_dims(q_ok, 1),
@@ -364,14 +354,14 @@ def _sparse_mla_wgmma_kernel(
     )
     if REG_A:  # q's columns in the blocks' relabelled order (as :func:`_as_a_operand`)
         q = gl.reshape(q, [HP, 8, 2, 2, 2, 2, 2, 2])  # [HP, block, p5, p4, p3, p2, p1, p0]
-        q = gl.reshape(gl.permute(q, (0, 1, 4, 5, 6, 2, 3, 7)), [HP, D])
+        q = gl.reshape(gl.permute(q, (0, 1, 4, 5, 6, 2, 3, 7)), [HP, HEAD_DIM])
     q_smem.index(0).store(q)
     fence_async_shared()  # q is read by wgmma (the async proxy) from the first tile on
     _cta_barrier()
 
     m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))
-    acc = gl.zeros([D, HP], gl.float32, layout=L_MMA)
+    acc = gl.zeros([HEAD_DIM, HP], gl.float32, layout=L_MMA)
 
     if G == 1:  # one token: its length (scalars only; nothing more lives across the loop)
         a_end = a_width
@@ -379,8 +369,8 @@ def _sparse_mla_wgmma_kernel(
             a_end = gl.minimum(gl.load(a_len_ptr + first), a_width)
         acc, m_i, l_i = _attend_source(
             acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + first * a_idx_stride,
-            0, a_end, a_end, a_end, a_row_stride, a_num_rows, qk_scale, A_SLOTS, DATA_BYTES,
-            SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
+            0, a_end, a_end, a_end, a_row_stride, a_num_rows, qk_scale, A_SLOTS, BN, HP, L_CODE,
+            L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
         )  # fmt: skip
         if HAS_B:
             b_end = b_width
@@ -389,7 +379,7 @@ def _sparse_mla_wgmma_kernel(
             acc, m_i, l_i = _attend_source(
                 acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr,
                 b_idx_ptr + first * b_idx_stride, 0, b_end, b_end, b_end, b_row_stride,
-                b_num_rows, qk_scale, B_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_,
+                b_num_rows, qk_scale, B_SLOTS, BN, HP,
                 L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
             )  # fmt: skip
     else:
@@ -409,7 +399,7 @@ def _sparse_mla_wgmma_kernel(
                     acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr,
                     a_idx_ptr + leader * a_idx_stride, gl.min(a_lo, axis=0),
                     gl.max(a_hi, axis=0), a_lo, a_hi, a_row_stride, a_num_rows, qk_scale,
-                    A_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE, L_MMA,
+                    A_SLOTS, BN, HP, L_CODE, L_ROPE, L_MMA,
                     ASYNC_PV, REG_A, True,
                 )  # fmt: skip
                 if HAS_B:
@@ -419,7 +409,7 @@ def _sparse_mla_wgmma_kernel(
                         acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr,
                         b_idx_ptr + leader * b_idx_stride, gl.min(b_lo, axis=0),
                         gl.max(b_hi, axis=0), b_lo, b_hi, b_row_stride, b_num_rows, qk_scale,
-                        B_SLOTS, DATA_BYTES, SCALE_BYTES, BN, HP, QB, NOPE_, L_CODE, L_ROPE,
+                        B_SLOTS, BN, HP, L_CODE, L_ROPE,
                         L_MMA, ASYNC_PV, REG_A, True,
                     )  # fmt: skip
 
@@ -436,7 +426,7 @@ def _sparse_mla_wgmma_kernel(
     lse = gl.where(has_key, lse2 * LN2, float("-inf"))
     gl.store(lse_ptr + ts * lse_stride_t + hs, lse, mask=row_ok)
     o = gl.convert_layout((acc * gl.expand_dims(factor, 0)).to(gl.bfloat16), L_OUT)
-    do = gl.arange(0, D, layout=gl.SliceLayout(1, L_OUT))
+    do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, L_OUT))
     to, ho, o_ok = _rows(first, end, num_heads, HP, HT, gl.SliceLayout(0, L_OUT))
     o_row = to * out_stride_t + ho.to(gl.int64) * out_stride_h
     if IO_VEC:

@@ -5,7 +5,7 @@ and the grouping policy's limit.
 ``"large"``: more) to the compile-time constants of one launch.
 :func:`dsv4_kernels.sparse_mla_paged` and :func:`dsv4_kernels.sparse_mla_workspace`
 take ``tiles=``, a table of this form (a class it leaves out keeps its default), so
-a sweep (``benchmarks/sweep_sparse_mla.py``) or a profiler passes its variants as an
+a sweep (``benchmarks/experiments/sweep_sparse_mla.py``) or a profiler passes its variants as an
 argument instead of rebinding module globals.
 """
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._jit_layout import HEAD_DIM
 from ._triton_sparse_mla import _attend_source
 
 SPLIT_RUNTIME_ARGS = [
@@ -94,13 +95,6 @@ def _decode_split_kernel(
     B_SLOTS: tl.constexpr,
     B_HAS_LENS: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NOPE: tl.constexpr,
-    QBLOCK: tl.constexpr,
-    NQ: tl.constexpr,
-    NQ_PAD: tl.constexpr,
-    DATA_BYTES: tl.constexpr,
-    SCALE_BYTES: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -133,8 +127,8 @@ def _decode_split_kernel(
     a0, a1 = _chunk_range(lo, hi, 0, a_end)
     acc, m_i, l_i = _attend_source(
         acc, m_i, l_i, q, a_src_ptr, a_idx_ptr + t * a_idx_stride + a0, tl.maximum(a1 - a0, 0),
-        a_row_stride, a_num_rows, qk_scale, A_SLOTS, True, ALIGNED, HEAD_DIM, NOPE, QBLOCK, NQ,
-        NQ_PAD, DATA_BYTES, SCALE_BYTES, BLOCK_N, DOT_FP32, PREFETCH, BF16_DEQUANT,
+        a_row_stride, a_num_rows, qk_scale, A_SLOTS, True, ALIGNED, BLOCK_N, DOT_FP32, PREFETCH,
+        BF16_DEQUANT,
     )  # fmt: skip
     if HAS_B:
         b_end = b_width
@@ -144,7 +138,7 @@ def _decode_split_kernel(
         acc, m_i, l_i = _attend_source(
             acc, m_i, l_i, q, b_src_ptr, b_idx_ptr + t * b_idx_stride + b0,
             tl.maximum(b1 - b0, 0), b_row_stride, b_num_rows, qk_scale, B_SLOTS, True, ALIGNED,
-            HEAD_DIM, NOPE, QBLOCK, NQ, NQ_PAD, DATA_BYTES, SCALE_BYTES, BLOCK_N, DOT_FP32,
+            BLOCK_N, DOT_FP32,
             PREFETCH, BF16_DEQUANT,
         )  # fmt: skip
 
@@ -171,7 +165,6 @@ def _decode_combine_kernel(
     out_stride_h,
     lse_stride_t,
     HAS_SINK: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
     SPLIT_BLOCK: tl.constexpr,  # partials merged per step
 ):
     """One program per (token, head): merge its ``num_splits`` partials."""

@@ -48,6 +48,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._jit_layout import DATA_BYTES, NOPE, NQ, NQ_PAD, QBLOCK, ROPE, SCALE_BYTES
+
 # Run-time sizes that must not be specialised on value (== 1, % 16): changing
 # them must not compile a new kernel.
 INSERT_RUNTIME_ARGS = ["page_stride", "num_tokens", "num_slots"]
@@ -83,8 +85,6 @@ def _slot_offsets(
     in_page,
     page_stride,
     SLOTS: tl.constexpr,
-    DATA_BYTES: tl.constexpr,
-    SCALE_BYTES: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr,
 ):
     """Byte offsets (int64) of a slot's data and of its scale bytes, pages ``page_stride`` apart.
@@ -115,13 +115,6 @@ def _quantize_and_insert_k_cache_kernel(
     # meta-parameters
     SLOTS: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr,  # page_stride % 16 == 0: 16-byte vector accesses
-    NOPE: tl.constexpr,  # 448
-    ROPE: tl.constexpr,  # 64
-    QBLOCK: tl.constexpr,  # 64
-    NQ: tl.constexpr,  # 7
-    NQ_PAD: tl.constexpr,  # 8
-    DATA_BYTES: tl.constexpr,  # 576
-    SCALE_BYTES: tl.constexpr,  # 8
     FP8_MAX: tl.constexpr,  # 448.0
     FP8_MAX_EXP: tl.constexpr,  # 8: 448 = 1.75 * 2**8
     FP8_MAX_MANTISSA: tl.constexpr,  # 0x600000: float32 mantissa field of 1.75
@@ -137,7 +130,7 @@ def _quantize_and_insert_k_cache_kernel(
     slot = tl.load(slot_ptr + tok, mask=tok_ok, other=-1).to(tl.int64)
     ok = tok_ok & (slot >= 0) & (slot < num_slots)
     data_off, scale_off = _slot_offsets(
-        slot // SLOTS, slot % SLOTS, page_stride, SLOTS, DATA_BYTES, SCALE_BYTES, PAGE_ALIGNED
+        slot // SLOTS, slot % SLOTS, page_stride, SLOTS, PAGE_ALIGNED
     )
 
     qb = tl.arange(0, NQ_PAD)  # quantisation block (row 7 is padding)
@@ -198,13 +191,6 @@ def _dequantize_and_gather_k_cache_kernel(
     # meta-parameters
     SLOTS: tl.constexpr,
     PAGE_ALIGNED: tl.constexpr,  # page_stride % 16 == 0: 16-byte vector accesses
-    NOPE: tl.constexpr,
-    ROPE: tl.constexpr,
-    QBLOCK: tl.constexpr,
-    NQ: tl.constexpr,
-    NQ_PAD: tl.constexpr,
-    DATA_BYTES: tl.constexpr,
-    SCALE_BYTES: tl.constexpr,
     BIAS: tl.constexpr,
     HAS_GATHER_LENS: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -233,9 +219,7 @@ def _dequantize_and_gather_k_cache_kernel(
             block_table_ptr + req.to(tl.int64) * table_stride + page_idx, mask=ok, other=0
         ).to(tl.int64)
         ok = ok & (page >= 0) & (page < num_pages)
-        data_off, scale_off = _slot_offsets(
-            page, in_page, page_stride, SLOTS, DATA_BYTES, SCALE_BYTES, PAGE_ALIGNED
-        )
+        data_off, scale_off = _slot_offsets(page, in_page, page_stride, SLOTS, PAGE_ALIGNED)
 
         qb = tl.arange(0, NQ_PAD)
         col = tl.arange(0, QBLOCK)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._jit_layout import DATA_BYTES, HEAD_DIM, NOPE, NQ, NQ_PAD, QBLOCK, SCALE_BYTES
 from ._triton_sparse_mla_asm import E4M3_ASM
 
 # Run-time sizes that must not be specialised on value: a new layer, batch or
@@ -75,13 +76,6 @@ def _load_raw(
     SLOTS: tl.constexpr,
     PAGED: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NOPE: tl.constexpr,
-    QBLOCK: tl.constexpr,
-    NQ: tl.constexpr,
-    NQ_PAD: tl.constexpr,
-    DATA_BYTES: tl.constexpr,
-    SCALE_BYTES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WORDS: tl.constexpr = False,
 ):
@@ -142,13 +136,13 @@ def _load_raw(
 
 
 @triton.jit
-def _dequant_words(words, sbytes, NB: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``[BLOCK_N, NB, 64]`` bf16 from ``[BLOCK_N, NB, 16]`` int32 words of E4M3 codes and
-    their ``[BLOCK_N, NB]`` scale bytes, four codes per inline-PTX call (CUDA only; the
-    conversion is :data:`._triton_sparse_mla_asm.E4M3_ASM`)."""
+def _dequant_words(words, sbytes, BLOCK_N: tl.constexpr):
+    """``[BLOCK_N, 8, 64]`` bf16 from ``[BLOCK_N, 8, 16]`` int32 words of E4M3 codes and
+    their ``[BLOCK_N, 8]`` scale bytes (``NQ_PAD`` blocks), four codes per inline-PTX call
+    (CUDA only; the conversion is :data:`._triton_sparse_mla_asm.E4M3_ASM`)."""
     sb = sbytes.to(tl.int32)
     pair = (sb << 7) | (sb << 23)  # bf16 2**(byte - 127), twice
-    pw = tl.broadcast_to(pair[:, :, None], (BLOCK_N, NB, 16))
+    pw = tl.broadcast_to(pair[:, :, None], (BLOCK_N, NQ_PAD, 16))
     o0, o1, o2, o3 = tl.inline_asm_elementwise(
         E4M3_ASM,
         "=h,=h,=h,=h,r,r",
@@ -158,7 +152,7 @@ def _dequant_words(words, sbytes, NB: tl.constexpr, BLOCK_N: tl.constexpr):
         pack=1,
     )
     v = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [.., j, i] = code 2j + i of the word
-    return tl.reshape(v, (BLOCK_N, NB, 64))
+    return tl.reshape(v, (BLOCK_N, NQ_PAD, QBLOCK))
 
 
 @triton.jit
@@ -167,9 +161,6 @@ def _keys_from_raw(
     b,
     sbytes,
     PAGED: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NQ: tl.constexpr,
-    NQ_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BF16_DEQUANT: tl.constexpr,
     WORDS: tl.constexpr = False,
@@ -181,7 +172,7 @@ def _keys_from_raw(
     multiplies bf16 wrongly: there it goes through float32, same result).
     """
     if PAGED and WORDS:
-        nope = _dequant_words(a, sbytes, NQ_PAD, BLOCK_N)
+        nope = _dequant_words(a, sbytes, BLOCK_N)
         is_nope = (tl.arange(0, NQ_PAD) < NQ)[None, :, None]
         k = tl.where(is_nope, nope, b)
         return tl.reshape(k, (BLOCK_N, HEAD_DIM))
@@ -217,13 +208,6 @@ def _attend_source(
     SLOTS: tl.constexpr,
     PAGED: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NOPE: tl.constexpr,
-    QBLOCK: tl.constexpr,
-    NQ: tl.constexpr,
-    NQ_PAD: tl.constexpr,
-    DATA_BYTES: tl.constexpr,
-    SCALE_BYTES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PREFETCH: tl.constexpr,
@@ -234,19 +218,18 @@ def _attend_source(
     requested before this tile's math, so loads overlap compute within a program."""
     if PREFETCH:
         ok, a, b, sb = _load_raw(
-            src_ptr, idx_row_ptr, 0, length, row_stride, num_rows, SLOTS, PAGED, ALIGNED,
-            HEAD_DIM, NOPE, QBLOCK, NQ, NQ_PAD, DATA_BYTES, SCALE_BYTES, BLOCK_N, WORDS,
+            src_ptr, idx_row_ptr, 0, length, row_stride, num_rows, SLOTS, PAGED, ALIGNED, BLOCK_N,
+            WORDS,
         )  # fmt: skip
     for start in range(0, length, BLOCK_N):
         # with PREFETCH the next tile's bytes (this tile's came one step earlier)
         n_ok, n_a, n_b, n_sb = _load_raw(
             src_ptr, idx_row_ptr, start + BLOCK_N if PREFETCH else start, length, row_stride,
-            num_rows, SLOTS, PAGED, ALIGNED, HEAD_DIM, NOPE, QBLOCK, NQ, NQ_PAD, DATA_BYTES,
-            SCALE_BYTES, BLOCK_N, WORDS,
+            num_rows, SLOTS, PAGED, ALIGNED, BLOCK_N, WORDS,
         )  # fmt: skip
         if not PREFETCH:
             ok, a, b, sb = n_ok, n_a, n_b, n_sb
-        k = _keys_from_raw(a, b, sb, PAGED, HEAD_DIM, NQ, NQ_PAD, BLOCK_N, BF16_DEQUANT, WORDS)
+        k = _keys_from_raw(a, b, sb, PAGED, BLOCK_N, BF16_DEQUANT, WORDS)
         if DOT_FP32:
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -307,13 +290,6 @@ def _sparse_mla_kernel(
     B_HAS_LENS: tl.constexpr,
     HAS_SINK: tl.constexpr,
     ALIGNED: tl.constexpr,
-    HEAD_DIM: tl.constexpr,  # 512
-    NOPE: tl.constexpr,  # 448
-    QBLOCK: tl.constexpr,  # 64
-    NQ: tl.constexpr,  # 7
-    NQ_PAD: tl.constexpr,  # 8
-    DATA_BYTES: tl.constexpr,  # 576
-    SCALE_BYTES: tl.constexpr,  # 8
     HEAD_BLOCKS: tl.constexpr,  # cdiv(H, BLOCK_H)
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -344,8 +320,8 @@ def _sparse_mla_kernel(
         a_len = tl.minimum(tl.load(a_len_ptr + t), a_width)
     acc, m_i, l_i = _attend_source(
         acc, m_i, l_i, q, a_src_ptr, a_idx_ptr + t * a_idx_stride, a_len, a_row_stride,
-        a_num_rows, qk_scale, A_SLOTS, A_PAGED, ALIGNED, HEAD_DIM, NOPE, QBLOCK, NQ, NQ_PAD,
-        DATA_BYTES, SCALE_BYTES, BLOCK_N, DOT_FP32, PREFETCH, BF16_DEQUANT, A_WORDS,
+        a_num_rows, qk_scale, A_SLOTS, A_PAGED, ALIGNED, BLOCK_N, DOT_FP32, PREFETCH, BF16_DEQUANT,
+        A_WORDS,
     )  # fmt: skip
     if HAS_B:
         b_len = b_width
@@ -353,8 +329,8 @@ def _sparse_mla_kernel(
             b_len = tl.minimum(tl.load(b_len_ptr + t), b_width)
         acc, m_i, l_i = _attend_source(  # the compressed source is always paged
             acc, m_i, l_i, q, b_src_ptr, b_idx_ptr + t * b_idx_stride, b_len, b_row_stride,
-            b_num_rows, qk_scale, B_SLOTS, True, ALIGNED, HEAD_DIM, NOPE, QBLOCK, NQ, NQ_PAD,
-            DATA_BYTES, SCALE_BYTES, BLOCK_N, DOT_FP32, PREFETCH, BF16_DEQUANT, B_WORDS,
+            b_num_rows, qk_scale, B_SLOTS, True, ALIGNED, BLOCK_N, DOT_FP32, PREFETCH, BF16_DEQUANT,
+            B_WORDS,
         )  # fmt: skip
 
     LN2: tl.constexpr = 0.6931471805599453

@@ -330,7 +330,7 @@ def sparse_mla_decode(
                   aligned, splits, chunk)  # fmt: skip
     _k._decode_combine_kernel[(T * H,)](
         po, plse, out, lse, sink if sink is not None else plse, H, splits, out.stride(0),
-        out.stride(1), lse.stride(0), HAS_SINK=sink is not None, HEAD_DIM=HEAD_DIM,
+        out.stride(1), lse.stride(0), HAS_SINK=sink is not None,
         SPLIT_BLOCK=min(DECODE_TILES["COMBINE_SPLITS"], triton.next_power_of_2(splits)),
         num_warps=4,
     )  # fmt: skip
@@ -384,8 +384,7 @@ def _launch_split(
         nreg = tiles.get("MAXNREG_H8") if hp == 8 else None
         try:
             g._decode_split_wgmma_kernel[(T * splits,)](
-                *args, **sources, DATA_BYTES=_sm.TOKEN_DATA_BYTES,
-                SCALE_BYTES=_sm.TOKEN_SCALE_BYTES, HT=hp, ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
+                *args, **sources, HT=hp, ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
                 REG_A=bool(tiles.get("REG_A_H8", 0)) and hp == 8,
                 IO_VEC=_sm._whole_vectors(q, q), num_warps=4,
                 **({"maxnreg": nreg} if nreg else {}),
@@ -404,7 +403,7 @@ def _launch_split(
     block_h = _sm._block_h(H, tiles["MAX_BLOCK_H"])
     head_blocks = triton.cdiv(H, block_h)
     _k._decode_split_kernel[(T * splits * head_blocks,)](
-        *args, **sources, ALIGNED=aligned, **_sm._LAYOUT, HEAD_BLOCKS=head_blocks,
+        *args, **sources, ALIGNED=aligned, HEAD_BLOCKS=head_blocks,
         BLOCK_H=block_h, BLOCK_N=tiles["BLOCK_N"], DOT_FP32=interpreter_enabled(),
         PREFETCH=bool(tiles["PREFETCH"]), BF16_DEQUANT=bool(tiles["BF16_DEQUANT"])
         and not interpreter_enabled(), num_warps=tiles["NUM_WARPS"],

@@ -5,12 +5,11 @@ width and constant of DSV4 from the names here; in the package's code nothing
 else spells these numbers (docstrings and comments restate them for the
 reader; the tests' slow spec oracles restate them from DESIGN.md on purpose,
 as an independent check, and the benchmarks' upstream re-implementations
-spell them as upstream does).
+spell them as upstream does).  The kernels read the page layout as compile-time
+globals made from these names once (:mod:`dsv4_kernels._jit_layout`).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 # --- latent KV head -------------------------------------------------------
 HEAD_DIM = 512  # one latent KV head: 448 "nope" + 64 "rope" values
@@ -45,27 +44,6 @@ SUPPORTED_COMPRESS_RATIOS = (1, C4A_RATIO, C128A_RATIO)  # SWA-only, C4A, C128A
 TOPK_FLASH = 512  # index_topk, DeepSeek-V4-Flash
 TOPK_PRO = 1024  # index_topk, DeepSeek-V4-Pro
 COMBINED_ALIGNMENT = 128  # combined rows are padded to a multiple of this
-
-
-# The layout as the kernels' compile-time constants (constexpr name -> value); each
-# launcher passes the ones its kernel takes (:func:`kernel_layout`).
-KERNEL_LAYOUT: dict[str, int] = dict(
-    HEAD_DIM=HEAD_DIM,
-    NOPE=NOPE_DIM,
-    ROPE=ROPE_DIM,
-    QBLOCK=QUANT_BLOCK,
-    NQ=NUM_QUANT_BLOCKS,
-    NQ_PAD=TOKEN_SCALE_BYTES,
-    DATA_BYTES=TOKEN_DATA_BYTES,
-    SCALE_BYTES=TOKEN_SCALE_BYTES,
-)
-
-
-def kernel_layout(kernel: Any) -> dict[str, int]:
-    """The :data:`KERNEL_LAYOUT` constants a Triton JIT function takes (by its parameter
-    names), to pass as keyword arguments at its launch."""
-    names = set(kernel.arg_names)
-    return {k: v for k, v in KERNEL_LAYOUT.items() if k in names}
 
 
 def round_up(x: int, multiple: int) -> int:

@@ -49,7 +49,6 @@ from .geometry import (
     ROPE_DIM,
     SWA_BLOCK_SIZE,
     UE8M0_BIAS,
-    kernel_layout,
     page_stride_bytes,
 )
 
@@ -65,7 +64,7 @@ __all__ = [
 SLOT_DTYPES = (torch.int64, torch.int32)
 LEN_DTYPES = (torch.int32, torch.int64)
 
-# Tile sizes (compile-time constants).  On an H200 (benchmarks/sweep_kv_cache.py,
+# Tile sizes (compile-time constants).  On an H200 (benchmarks/experiments/sweep_kv_cache.py,
 # 2026-11-29, two runs) the fastest variants, 4-8 tokens and 1-2 warps per
 # program, were within run-to-run noise of each other at 16K tokens; 1 token or
 # 8 warps per program was up to 2x slower.  Evict-first stores gained nothing,
@@ -227,7 +226,6 @@ def _launch_insert(
         num_pages * block_size,
         SLOTS=block_size,
         PAGE_ALIGNED=stride % 16 == 0,
-        **kernel_layout(_k._quantize_and_insert_k_cache_kernel),
         FP8_MAX=FP8_MAX,
         FP8_MAX_EXP=FP8_MAX_EXP,
         FP8_MAX_MANTISSA=FP8_MAX_MANTISSA,
@@ -408,7 +406,6 @@ def _launch_gather(
         cache.shape[0],
         SLOTS=block_size,
         PAGE_ALIGNED=stride % 16 == 0,
-        **kernel_layout(_k._dequantize_and_gather_k_cache_kernel),
         BIAS=UE8M0_BIAS,
         HAS_GATHER_LENS=gather_lens is not None,
         BLOCK_T=block_t,

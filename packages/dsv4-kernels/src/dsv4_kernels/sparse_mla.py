@@ -77,16 +77,12 @@ from ._validation import (
 )
 from .geometry import (
     HEAD_DIM,
-    TOKEN_DATA_BYTES,
-    TOKEN_SCALE_BYTES,
-    kernel_layout,
 )
 from .reference.prefill_indices import expand_grouped_rows
 
 __all__ = ["MAX_HEADS", "TILES", "sparse_mla_paged", "sparse_mla_workspace"]
 
 # The UE8M0 layout constants the Triton kernel takes (one source: geometry).
-_LAYOUT = kernel_layout(_k._sparse_mla_kernel)
 
 _LOG2E = 1.4426950408889634
 
@@ -170,8 +166,6 @@ def _launch_wgmma(
             *extra,
             **meta,
             **group_meta,
-            DATA_BYTES=TOKEN_DATA_BYTES,
-            SCALE_BYTES=TOKEN_SCALE_BYTES,
             HT=hp,
             ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
             REG_A=bool(
@@ -536,7 +530,6 @@ def _launch(
         **sources,
         A_PAGED=a_paged,
         ALIGNED=aligned,
-        **_LAYOUT,
         HEAD_BLOCKS=head_blocks,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
