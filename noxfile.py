@@ -158,6 +158,6 @@ def vllm(session: nox.Session, release: str) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Run the kernel benchmark matrix (a labelled CPU smoke run where no GPU is present)."""
-    _install(session, "dsv4-kernels", extras="")
+    _install(session, "dsv4-attention", extras="")  # with dsv4-kernels: the layer cases need it
     session.install("matplotlib", "numpy")
     session.run("python", "-m", "benchmarks.kernels", *session.posargs)

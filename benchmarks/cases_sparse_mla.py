@@ -47,6 +47,7 @@ bytes/s against that byte count.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -74,7 +75,7 @@ FLASHMLA = "flashmla-64h"
 FLASHMLA_GATHER = "flashmla-64h+gather"
 
 
-def _provider(
+def attention_provider(
     name: str,
     run: Callable[[], None],
     outputs: Callable[[], tuple[torch.Tensor, torch.Tensor]],
@@ -90,6 +91,40 @@ def _provider(
         assert_close_attention((out[tokens], lse[tokens]), want, f"{name} (seed {inp.seed})")
 
     return Provider(name, run, poison, check)
+
+
+def flashmla_available() -> bool:
+    """Whether FlashMLA's sparse prefill imports; says why not when it does not."""
+    from .flashmla_provider import load_sparse_fwd
+
+    fn, why = load_sparse_fwd()
+    if fn is None:
+        print(f"(FlashMLA provider unavailable: {why})")
+    return fn is not None
+
+
+def flashmla_providers(
+    inp: AttnInputs, want: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor
+) -> list[Provider]:
+    """vLLM's path (FlashMLA importing): :data:`FLASHMLA`, FlashMLA on heads padded to 64
+    (128 above 64) on the bf16 workspace, and :data:`FLASHMLA_GATHER`, what vLLM runs per
+    layer and chunk: the two workspace gathers and the combine, then FlashMLA."""
+    from .flashmla_provider import PaddedFlashMLA
+
+    fm = PaddedFlashMLA(inp.q, inp.workspace, inp.combined, inp.combined_lens, SCALE, inp.sink)
+
+    def poison() -> None:
+        fm.result = ()
+
+    def vllm_layer() -> None:
+        inp.build_workspace()
+        inp.build_combined()
+        fm()
+
+    return [
+        attention_provider(name, run, fm.outputs, poison, inp, want, tokens)
+        for name, run in ((FLASHMLA, fm), (FLASHMLA_GATHER, vllm_layer))
+    ]
 
 
 def index_build_provider(
@@ -137,11 +172,7 @@ def build_cases(
 ) -> list[BenchCase]:
     from dsv4_kernels.testing import sparse_mla as ts
 
-    from .flashmla_provider import PaddedFlashMLA, load_sparse_fwd
-
-    fmla, why = load_sparse_fwd()
-    if fmla is None:
-        print(f"(FlashMLA provider unavailable: {why})")
+    fmla = flashmla_available()
     cases = []
     for shape in shapes if shapes is not None else (SMOKE if smoke else MATRIX):
         seed = fresh_seed()
@@ -167,7 +198,7 @@ def build_cases(
             w: tuple[torch.Tensor, torch.Tensor] = want,
             tk: torch.Tensor = tokens,
         ) -> Provider:
-            return _provider(name, run, ours_outputs, poison, i, w, tk)
+            return attention_provider(name, run, ours_outputs, poison, i, w, tk)
 
         providers = [
             ours(OURS, lambda i=inp, o=out, l=lse: i.run_paged(o, l)),
@@ -183,59 +214,40 @@ def build_cases(
                     lambda i=inp, o=out, l=lse, g=group: i.run_grouped(o, l, i.build_grouped(g)),
                 ),
             )
-        if fmla is not None:
-            fm = PaddedFlashMLA(
-                inp.q, inp.workspace, inp.combined, inp.combined_lens, SCALE, inp.sink
-            )
-
-            def fm_poison(f: PaddedFlashMLA = fm) -> None:
-                f.result = ()
-
-            def fm_outputs(f: PaddedFlashMLA = fm) -> tuple[torch.Tensor, torch.Tensor]:
-                return f.outputs()
-
-            def fm_vllm(i: AttnInputs = inp, f: PaddedFlashMLA = fm) -> None:
-                i.build_workspace()
-                i.build_combined()
-                f()
-
-            providers.append(_provider(FLASHMLA, fm, fm_outputs, fm_poison, inp, want, tokens))
-            providers.append(
-                _provider(FLASHMLA_GATHER, fm_vllm, fm_outputs, fm_poison, inp, want, tokens)
-            )
-        keys = valid_keys(inp)
-        cases.append(
-            BenchCase(
-                KERNEL,
-                shape.name,
-                T,
-                floor_bytes(inp),
-                providers,
-                {
-                    "layer": shape.layer,
-                    "requests": shape.num_reqs,
-                    "query_len": shape.query_len,
-                    "context": shape.context,
-                    "heads": H,
-                    "topk": shape.topk if shape.layer == "c4a" else inp.topk_width,
-                    "keys_mean": float(keys.float().mean()),
-                    "keys_total": int(keys.sum()),
-                    "group_size": group,
-                    "seed": seed,
-                },
-            )
-        )
+        if fmla:
+            providers += flashmla_providers(inp, want, tokens)
+        params = {**case_params(inp), "group_size": group}
+        cases.append(BenchCase(KERNEL, shape.name, T, floor_bytes(inp), providers, params))
     return cases
 
 
-def summarise_per_token(results: Sequence[Result]) -> str:
-    """Markdown: ns per query token, useful TF/s and bytes/s (per the floor's byte count)."""
+def case_params(inp: AttnInputs) -> dict[str, Any]:
+    """The parameters recorded with a case's results (:func:`summarise_per_token` reads
+    ``heads``, ``keys_mean`` and ``keys_total``)."""
+    shape = inp.shape
+    keys = valid_keys(inp)
+    return {
+        "layer": shape.layer,
+        "requests": shape.num_reqs,
+        "query_len": shape.query_len,
+        "context": shape.context,
+        "heads": shape.heads,
+        "topk": shape.topk if shape.layer == "c4a" else inp.topk_width,
+        "keys_mean": float(keys.float().mean()),
+        "keys_total": int(keys.sum()),
+        "seed": inp.seed,
+    }
+
+
+def summarise_per_token(results: Sequence[Result], kernel: str = KERNEL) -> str:
+    """Markdown: ns per query token, useful TF/s and bytes/s (per the floor's byte count) of
+    ``kernel``'s results (whose params carry ``heads``, ``keys_mean`` and ``keys_total``)."""
     lines = [
         "| case | heads | keys/token | provider | ns/token | useful TF/s | GB/s (floor bytes) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        if r.kernel != KERNEL:
+        if r.kernel != kernel:
             continue
         p = r.params
         keys = p["keys_total"]
@@ -251,7 +263,7 @@ def summarise_per_token(results: Sequence[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.cases_sparse_mla [--only SUBSTR] [--out DIR]``: this kernel alone
-    (tile sweeps: ``python -m benchmarks.sweep_sparse_mla``, the one sweep system)."""
+    (tile sweeps: ``python -m benchmarks.experiments.sweep_sparse_mla``, the one sweep system)."""
     import argparse
     import json
     from pathlib import Path

@@ -17,40 +17,18 @@ into ``/tmp/fmla`` or ``DSV4_FLASHMLA_PATH``.
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .flashmla_provider import DEFAULT_PATH, padded_heads
-
-_LOADED: dict[str, Any] = {}
+from .flashmla_provider import import_flashmla, padded_heads
 
 
 def load_decode() -> tuple[tuple[Callable[..., Any], Callable[..., Any]] | None, str]:
     """((``flash_mla_with_kvcache``, ``get_mla_metadata``) or None, why not)."""
-    if "fns" in _LOADED:
-        return _LOADED["fns"], str(_LOADED["why"])
-    path = os.environ.get("DSV4_FLASHMLA_PATH", DEFAULT_PATH)
-    fns = None
-    why = ""
-    if not torch.cuda.is_available():
-        why = "FlashMLA needs a CUDA GPU"
-    elif not os.path.isdir(path):
-        why = f"FlashMLA is not built at {path} (run bash .fmla/build-on-gpu.sh on the GPU machine)"
-    else:
-        if path not in sys.path:
-            sys.path.insert(0, path)
-        try:
-            from flash_mla import flash_mla_with_kvcache, get_mla_metadata
-
-            fns = (flash_mla_with_kvcache, get_mla_metadata)
-        except Exception as exc:  # an unbuilt or mismatched extension raises many kinds
-            why = f"FlashMLA at {path} does not import: {type(exc).__name__}: {exc}"
-    _LOADED["fns"], _LOADED["why"] = fns, why
-    return fns, why
+    fns, why = import_flashmla("flash_mla_with_kvcache", "get_mla_metadata")
+    return (None if fns is None else (fns[0], fns[1])), why
 
 
 class PaddedFlashMLADecode:

@@ -10,9 +10,11 @@ Benchmarks and GPU tests use it when it imports and say so when it does not.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -20,15 +22,15 @@ DEFAULT_PATH = "/tmp/fmla"
 # FlashMLA's sparse prefill supports these head counts; vLLM pads up to the next.
 FLASHMLA_HEADS = (64, 128)
 
-_LOADED: dict[str, object] = {}
+_LOADED: dict[tuple[str, ...], tuple[tuple[Any, ...] | None, str]] = {}
 
 
-def load_sparse_fwd() -> tuple[Callable[..., tuple[torch.Tensor, ...]] | None, str]:
-    """(``flash_mla_sparse_fwd`` or None, why not)."""
-    if "fn" in _LOADED:
-        return _LOADED["fn"], str(_LOADED["why"])  # type: ignore[return-value]
+def import_flashmla(*names: str) -> tuple[tuple[Any, ...] | None, str]:
+    """(the named functions of FlashMLA's ``flash_mla`` module or None, why not)."""
+    if names in _LOADED:
+        return _LOADED[names]
     path = os.environ.get("DSV4_FLASHMLA_PATH", DEFAULT_PATH)
-    fn = None
+    fns = None
     why = ""
     if not torch.cuda.is_available():
         why = "FlashMLA needs a CUDA GPU"
@@ -38,13 +40,18 @@ def load_sparse_fwd() -> tuple[Callable[..., tuple[torch.Tensor, ...]] | None, s
         if path not in sys.path:
             sys.path.insert(0, path)
         try:
-            from flash_mla import flash_mla_sparse_fwd
-
-            fn = flash_mla_sparse_fwd
+            module = importlib.import_module("flash_mla")
+            fns = tuple(getattr(module, name) for name in names)
         except Exception as exc:  # an unbuilt or mismatched extension raises many kinds
             why = f"FlashMLA at {path} does not import: {type(exc).__name__}: {exc}"
-    _LOADED["fn"], _LOADED["why"] = fn, why
-    return fn, why
+    _LOADED[names] = fns, why
+    return fns, why
+
+
+def load_sparse_fwd() -> tuple[Callable[..., tuple[torch.Tensor, ...]] | None, str]:
+    """(``flash_mla_sparse_fwd`` or None, why not)."""
+    fns, why = import_flashmla("flash_mla_sparse_fwd")
+    return (None if fns is None else fns[0]), why
 
 
 def padded_heads(num_heads: int) -> int:

@@ -32,14 +32,24 @@ class AttnShape:
         return {"c4a": 4, "c128a": 128, "swa": 1}[self.layer]
 
 
+def shape_matrix(
+    batches: tuple[tuple[str, int, int, int], ...],
+    models: tuple[tuple[str, int, int], ...],
+    layers: tuple[str, ...] = ("c4a", "c128a", "swa"),
+) -> list[AttnShape]:
+    """Every (batch: name, requests, query tokens, context) x layer x (model: name, heads,
+    top-k) shape, named ``{layer}-{model}-{batch}``."""
+    return [
+        AttnShape(f"{layer}-{model}-{bname}", layer, b, q, ctx, heads, topk)
+        for bname, b, q, ctx in batches
+        for layer in layers
+        for model, heads, topk in models
+    ]
+
+
 MODELS = (("flash-tp8", 8, 512), ("pro-tp8", 16, 1024), ("flash-dp", 64, 512))
 BATCHES = (("1x16384@131072", 1, 16384, 131072), ("16x1024", 16, 1024, 1024))
-MATRIX = [
-    AttnShape(f"{layer}-{model}-{bname}", layer, b, q, ctx, heads, topk)
-    for bname, b, q, ctx in BATCHES
-    for layer in ("c4a", "c128a", "swa")
-    for model, heads, topk in MODELS
-]
+MATRIX = shape_matrix(BATCHES, MODELS)
 SMOKE = [
     AttnShape("c4a-h3-1x6@300", "c4a", 1, 6, 300, 3, 16),
     AttnShape("c128a-h16-2x4@700", "c128a", 2, 4, 700, 16, 0),

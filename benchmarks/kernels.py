@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     from .cases_sparse_mla import summarise_per_token as sparse_mla_per_token
 
     builders["sparse_mla"] = lambda: sparse_mla_cases(device, smoke)
+    from .cases_prefill_layer import KERNEL as PREFILL_LAYER
+    from .cases_prefill_layer import build_cases as prefill_layer_cases
+
+    builders[PREFILL_LAYER] = lambda: prefill_layer_cases(device, smoke)
     from . import cases_decode
 
     # the decode matrix runs case by case (its CUDA graphs are freed as it goes)
@@ -116,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     write_plot(results, env, out_dir / "plot.png")
     print(table)
     print(summarise(results, smoke=smoke))
-    if any(r.kernel == "sparse_mla" for r in results):
-        print(sparse_mla_per_token(results))
+    for kernel in ("sparse_mla", PREFILL_LAYER):
+        if any(r.kernel == kernel for r in results):
+            print(sparse_mla_per_token(results, kernel))
     if any(r.kernel == cases_decode.KERNEL for r in results):
         print(cases_decode.write_outputs(results, out_dir))
     print(f"results in {out_dir}")

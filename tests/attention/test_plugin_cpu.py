@@ -184,7 +184,7 @@ def test_c4a_mean_keys_counts_every_token() -> None:
         assert got == pytest.approx(_brute_mean_keys(seq, qlen, window, topk), abs=1e-9), (
             f"seed {seed}: {seq} {qlen} {window} {topk}"
         )
-    # run 17's shapes (benchmarks.exp_context records the same means)
+    # run 17's shapes (benchmarks.experiments.exp_context records the same means)
     assert c4a_mean_keys([1024] * 16, [1024] * 16, 128, 1024) == pytest.approx(247.8125)
     assert c4a_mean_keys([4096], [4096], 128, 1024) == pytest.approx(637.765625)
     assert c4a_mean_keys([131072], [16384], 128, 1024) == 1152.0

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def peer_topk(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """vLLM's own ``compute_global_topk_indices_and_lens`` (its Triton kernel)."""
-    from benchmarks import vllm_peer
+    from benchmarks.support import vllm_peer
 
     folder = tmp_path_factory.mktemp("vllm_peer_decode")
     vllm_peer.stage(Path(folder))

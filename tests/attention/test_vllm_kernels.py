@@ -5,7 +5,7 @@
   C4A and C128A caches of both block-outer layouts, and no byte of another
   layer (or another group sharing the block) changes.
 * vLLM's own Triton kernels (its ``cache_utils`` staged by
-  :mod:`benchmarks.vllm_peer`, run through Triton's interpreter: vLLM's CPU
+  :mod:`benchmarks.support.vllm_peer`, run through Triton's interpreter: vLLM's CPU
   build disables Triton, the staged copy does not) give the same outputs as
   ours at vLLM's call-site shapes: workspace slices, strided C128A top-k,
   SWA-only with top_k 0, image spans, a ``query_start_loc`` slice with a
@@ -35,7 +35,7 @@ def caches(request: pytest.FixtureRequest) -> tuple[list[CacheView], torch.Tenso
 
 @pytest.fixture(scope="module")
 def vllm_ops(tmp_path_factory: pytest.TempPathFactory) -> object:
-    from benchmarks import vllm_peer
+    from benchmarks.support import vllm_peer
 
     folder = tmp_path_factory.mktemp("vllm_peer")
     vllm_peer.stage(Path(folder))

@@ -8,7 +8,7 @@ Both paths run on the same inputs built from vLLM's own pieces:
   then prefills of different lengths, one past 4 x 512 compressed entries);
 * vLLM's path: ``DeepseekV4FlashMLAAttention._forward_prefill`` itself (its
   chunk plan, workspace, gather and combine calls), with its gather and
-  combine being vLLM's own Triton kernels (staged by ``benchmarks.vllm_peer``,
+  combine being vLLM's own Triton kernels (staged by ``benchmarks.support.vllm_peer``,
   through Triton's interpreter) and, since FlashMLA cannot run on a CPU, the
   attention call answered by our bf16-workspace kernel on vLLM's padded heads;
 * our path: the plugin's subclass (``_select_dsv4_attn_cls`` patched by the
@@ -43,7 +43,7 @@ SEQ = (400, 90, 2300, 9000, 41)  # the second prefill has 2250 > 4 x 512 C4A ent
 
 @pytest.fixture(scope="module")
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
-    from benchmarks import vllm_peer
+    from benchmarks.support import vllm_peer
     from vllm.config import VllmConfig
     from vllm.models.deepseek_v4.nvidia import flashmla, model
     from vllm.platforms.interface import DeviceCapability

@@ -28,7 +28,7 @@ CASES = [
 
 def _compile(case: str, group: int) -> list[dict[str, object]]:
     # a RuntimeWarning (the launcher's fallback to the Triton kernel) fails the run
-    out = run_module("benchmarks.compile_sm90", "--case", case, "--group", str(group))
+    out = run_module("benchmarks.support.compile_sm90", "--case", case, "--group", str(group))
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 

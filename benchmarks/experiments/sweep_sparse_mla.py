@@ -3,15 +3,15 @@
 The one tile sweep of the sparse MLA kernels (``cases_sparse_mla.py --sweep`` is gone):
 each variant's tiles go to the kernels as their ``tiles=`` argument.
 
-``python -m benchmarks.sweep_sparse_mla [--out DIR] [--rep-ms N] [--cases a,b]
+``python -m benchmarks.experiments.sweep_sparse_mla [--out DIR] [--rep-ms N] [--cases a,b]
 [--variants x,y] [--tiny]``
 
 For each case (C4A Flash TP8, C4A Pro TP8, SWA Flash TP8 and C4A Flash DP at a
 131,072-token context; the workspace path too on the first) and each variant of
-:data:`VARIANTS` (one head class's entry of :data:`dsv4_kernels.sparse_mla.TILES`), the
-outputs are poisoned, the kernel runs,
-every element must be written and NaN-free and a strided sample of 256 tokens
-must match the float32 reference; then ``triton.testing.do_bench`` times it.
+:data:`benchmarks.support.sparse_mla_variants.VARIANTS` (one head class's entry of
+:data:`dsv4_kernels.sparse_mla.TILES`), the outputs are poisoned, the kernel runs, every
+element must be written and NaN-free and a strided sample of 256 tokens must match the
+float32 reference; then ``triton.testing.do_bench`` times it.
 One JSON line per (case, variant) is appended to ``DIR/sweep.jsonl`` as soon as
 it is measured (a run cut short keeps what it measured).  The kernels are
 compiled first in parallel worker processes on tiny inputs of the same
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from .cases_metadata import fresh_seed
-from .inputs_sparse_mla import (
+from ..cases_metadata import fresh_seed
+from ..inputs_sparse_mla import (
     MATRIX,
     AttnShape,
     assert_close_attention,
@@ -44,6 +44,7 @@ from .inputs_sparse_mla import (
     make_inputs,
     reference_sample,
 )
+from ..support.sparse_mla_variants import VARIANTS, WORKSPACE_VARIANTS, head_class, tiny_shape
 
 CASES = (
     "c4a-flash-tp8-1x16384",
@@ -53,45 +54,11 @@ CASES = (
 )
 
 
-OLD_SMALL = dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=4, NUM_STAGES=1, PREFETCH=1, BF16_DEQUANT=0)
-OLD_LARGE = dict(MAX_BLOCK_H=64, BLOCK_N=32, NUM_WARPS=8, NUM_STAGES=1, PREFETCH=0, BF16_DEQUANT=1)
-WG = {**OLD_SMALL, "KERNEL": 2, "ASYNC_PV": 1}
-VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
-    "small": [
-        ("old-default", OLD_SMALL),
-        # the Gluon wgmma kernel (Hopper): keys on M, one shared bf16 tile per 64 keys, P V
-        # asynchronous, 168 registers at up to 8 heads; S = K q^T with K from shared memory
-        # or (REG_A) from registers; q and out in 16-byte accesses (IO_VEC, where aligned)
-        ("wgmma-smem-a", {**WG, "MAXNREG_H8": 168, "REG_A": 0}),
-        ("wgmma-smem-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 0, "IO_VEC": 0}),
-        ("wgmma-reg-a", {**WG, "MAXNREG_H8": 168, "REG_A": 1}),
-        ("wgmma-reg-a-noio", {**WG, "MAXNREG_H8": 168, "REG_A": 1, "IO_VEC": 0}),
-    ],
-    "large": [
-        ("old-default", OLD_LARGE),
-        ("old-words", {**OLD_LARGE, "ASM": 1}),
-    ],
-}
-# The bf16 workspace path (first case only): the old tiles against two split ones.
-WORKSPACE_VARIANTS = ("old-default",)
-
-
-def _cls(heads: int) -> str:
-    from dsv4_kernels import sparse_mla as sm
-
-    return "small" if heads <= sm.SMALL_HEADS else "large"
-
-
-def _tiny(shape: AttnShape) -> AttnShape:
-    """Same compile-time shape (layer, head count, page sizes), a few tokens."""
-    return AttnShape(shape.name + "-tiny", shape.layer, 1, 8, 1024, shape.heads, shape.topk)
-
-
 def _warm(job: tuple[AttnShape, dict[str, int], bool]) -> str:
     shape, tiles, workspace = job
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        inp = make_inputs(_tiny(shape), device, 1, tiles={_cls(shape.heads): tiles})
+        inp = make_inputs(tiny_shape(shape), device, 1, tiles={head_class(shape.heads): tiles})
         T, H, _ = inp.q.shape
         out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=device)
         lse = torch.empty((T, H), dtype=torch.float32, device=device)
@@ -110,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import triton.testing
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_sparse_mla")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.experiments.sweep_sparse_mla")
     p.add_argument("--out", type=Path, default=Path("sparse-mla-sweep"))
     p.add_argument("--rep-ms", type=int, default=30)
     p.add_argument("--cases", default=",".join(CASES))
@@ -123,13 +90,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a smoke run of the script itself on tiny shapes (CPU: TRITON_INTERPRET=1)",
     )
     args = p.parse_args(argv)
+    variants = dict(VARIANTS)
     if args.variants:  # only these (names of VARIANTS, any head class)
         keep = set(args.variants.split(","))
         known = {n for runs in VARIANTS.values() for n, _ in runs}
         if keep - known:
             p.error(f"--variants: unknown {sorted(keep - known)}; known: {sorted(known)}")
-        for cls in VARIANTS:
-            VARIANTS[cls] = [(n, t) for n, t in VARIANTS[cls] if n in keep]
+        variants = {c: [(n, t) for n, t in runs if n in keep] for c, runs in VARIANTS.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "sweep.jsonl"
     gpu = torch.cuda.is_available()
@@ -137,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     names = [c for c in args.cases.split(",") if c]
     shapes = [s for s in MATRIX if any(s.name.startswith(n) for n in names)]
     if args.tiny:
-        shapes = [_tiny(s) for s in shapes]
+        shapes = [tiny_shape(s) for s in shapes]
     t0 = time.time()
     jobs, seen = [], set()
     for i, s in enumerate(shapes):
-        for name, tiles in VARIANTS[_cls(s.heads)]:
+        for name, tiles in variants[head_class(s.heads)]:
             for ws in (False, True) if i == 0 else (False,):
                 if ws and name not in WORKSPACE_VARIANTS:
                     continue
@@ -171,10 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         lse = torch.empty((T, H), dtype=torch.float32, device=device)
         tokens = check_tokens(T, device)
         want = reference_sample(inp, tokens)
-        cls = _cls(H)
-        runs = [(n, t, False) for n, t in VARIANTS[cls]]
+        cls = head_class(H)
+        runs = [(n, t, False) for n, t in variants[cls]]
         if shape is shapes[0]:
-            runs += [(n, t, True) for n, t in VARIANTS[cls] if n in WORKSPACE_VARIANTS]
+            runs += [(n, t, True) for n, t in variants[cls] if n in WORKSPACE_VARIANTS]
         for name, tiles, ws in runs:
             inp.tiles = {cls: tiles}
             row: dict[str, Any] = dict(

@@ -1,6 +1,6 @@
 """Grouped rows (tokens sharing keys) against per-token rows on the wgmma kernel (GPU).
 
-``python -m benchmarks.exp_grouped [--out DIR] [--variants 1:0,2:0,4:0]``: for C128A
+``python -m benchmarks.experiments.exp_grouped [--out DIR] [--variants 1:0,2:0,4:0]``: for C128A
 and SWA-only layers
 (Flash TP8 and Pro TP8, 1 x 16,384 at 131,072 and 16 x 1,024), each variant's
 poisoned outputs must be fully written and match the float32 reference on a
@@ -25,8 +25,8 @@ import dsv4_kernels as dk
 import dsv4_kernels.sparse_mla as sm
 from dsv4_kernels.testing import sparse_mla as ts
 
-from .cases_metadata import fresh_seed
-from .inputs_sparse_mla import (
+from ..cases_metadata import fresh_seed
+from ..inputs_sparse_mla import (
     MATRIX,
     SCALE,
     assert_close_attention,

@@ -8,7 +8,7 @@ vLLM's profile run), then times the same first step.  The difference is the
 compile moved out of the first request.  Usage::
 
     PYTHONPATH=packages/dsv4-kernels/src:packages/dsv4-attention/src:. \\
-        python3 -m benchmarks.exp_warmup --out results/
+        python3 -m benchmarks.experiments.exp_warmup --out results/
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def main() -> None:
                     [
                         sys.executable,
                         "-m",
-                        "benchmarks.exp_warmup",
+                        "benchmarks.experiments.exp_warmup",
                         "--child",
                         str(heads),
                         str(warm),

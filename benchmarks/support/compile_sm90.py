@@ -1,8 +1,9 @@
 """Compile the sparse MLA kernels for sm_90 on a machine without a GPU: registers, spills, size.
 
-``python -m benchmarks.compile_sm90 [--case NAME] [--variants a,b] [--group G] [--sass DIR]``
+``python -m benchmarks.support.compile_sm90 [--case NAME] [--variants a,b] [--group G]
+[--sass DIR]``
 
-Runs each named variant of :data:`benchmarks.sweep_sparse_mla.VARIANTS` (or
+Runs each named variant of :data:`benchmarks.support.sparse_mla_variants.VARIANTS` (or
 ``default``, the shipped tiles of :data:`dsv4_kernels.sparse_mla.TILES`: the
 default) through the public ``sparse_mla_paged`` call on CPU tensors of the case's
 compile-time shape, with the launch replaced by an offline compile for an H100/H200
@@ -87,8 +88,8 @@ def compile_variant(
     from dsv4_kernels import _triton_sparse_mla as k
     from dsv4_kernels import sparse_mla as sm
 
-    from .inputs_sparse_mla import MATRIX, make_inputs
-    from .sweep_sparse_mla import _cls, _tiny
+    from ..inputs_sparse_mla import MATRIX, make_inputs
+    from .sparse_mla_variants import head_class, tiny_shape
 
     shape = next(s for s in MATRIX if s.name.startswith(case))
     compiled: list[tuple[str, Any]] = []
@@ -99,8 +100,8 @@ def compile_variant(
         sm.use_triton = lambda device: True  # type: ignore[assignment]
         g._sparse_mla_wgmma_kernel = _Offline(saved[2], compiled)  # type: ignore[assignment]
         k._sparse_mla_kernel = _Offline(saved[3], compiled)  # type: ignore[assignment]
-        table = None if tiles is None else {_cls(shape.heads): tiles}
-        inp = make_inputs(_tiny(shape), torch.device("cpu"), 1, tiles=table)
+        table = None if tiles is None else {head_class(shape.heads): tiles}
+        inp = make_inputs(tiny_shape(shape), torch.device("cpu"), 1, tiles=table)
         T, H, _ = inp.q.shape
         out = torch.empty((T, H, 512), dtype=torch.bfloat16)
         lse = torch.empty((T, H), dtype=torch.float32)
@@ -131,14 +132,16 @@ def describe(kernel: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .sweep_sparse_mla import VARIANTS
+    from .sparse_mla_variants import VARIANTS
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.support.compile_sm90", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--case", default="c4a-flash-tp8-1x16384")
     p.add_argument(
         "--variants",
         default="default",
-        help="names in benchmarks.sweep_sparse_mla.VARIANTS, or default (the shipped tiles)",
+        help="names in benchmarks.support.sparse_mla_variants.VARIANTS, or default (shipped tiles)",
     )
     p.add_argument("--group", type=int, default=0, help="grouped rows of this many tokens")
     p.add_argument("--sass", type=Path, help="write each variant's SASS into this folder")

@@ -1,4 +1,6 @@
-"""Tile-size sweep for the metadata kernels (GPU only): ``python -m benchmarks.sweep_metadata``.
+"""Tile-size sweep for the metadata kernels (GPU only).
+
+``python -m benchmarks.experiments.sweep_metadata``.
 
 For each compile-time tile configuration: do_bench median (the harness's
 timing), the host time per call (launch and validation, no sync), and the GPU
@@ -20,8 +22,8 @@ from dsv4_kernels import reference as ref
 from dsv4_kernels.testing import fresh_seed, generator
 from dsv4_kernels.testing.metadata import CombineInputs, combine_bench_inputs
 
-from .cases_metadata import COMBINE_MATRIX, CombineShape
-from .harness import _time_us
+from ..cases_metadata import COMBINE_MATRIX, CombineShape
+from ..harness import _time_us
 
 
 def _inputs(shape: CombineShape, dev: torch.device, g: torch.Generator) -> CombineInputs:
@@ -60,7 +62,7 @@ def _graph_us(fn: Callable[[], object], n: int = 20) -> float:
 
 def host_breakdown(dev: torch.device) -> None:
     """Where the host time of one call goes: validation, Triton's launcher, allocation."""
-    from .empty_kernel import launch_empty
+    from ..empty_kernel import launch_empty
 
     g = generator(fresh_seed())
     shape = next(s for s in COMBINE_MATRIX if s.name == "c4a-1x1024")
@@ -126,7 +128,7 @@ def main() -> None:
 
 
 def sweep_global(dev: torch.device) -> None:
-    from .cases_metadata import build_global_cases
+    from ..cases_metadata import build_global_cases
 
     cases = [c for c in build_global_cases(dev, False) if c.tokens == 16384]
     for case in cases:

@@ -1,4 +1,6 @@
-"""Tile sweep for the FP8 K cache kernels (GPU only): ``python -m benchmarks.sweep_kv_cache``.
+"""Tile sweep for the FP8 K cache kernels (GPU only).
+
+``python -m benchmarks.experiments.sweep_kv_cache``.
 
 Times (tokens per program, warps) variants of our insert and gather, with and
 without evict-first stores, and for insert both roundings (integer RNE and the
@@ -21,7 +23,7 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_kv_cache")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.experiments.sweep_kv_cache")
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--rep-ms", type=int, default=50)
     args = p.parse_args(argv)
@@ -34,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     from dsv4_kernels.testing import fresh_seed, generator
     from dsv4_kernels.testing.k_cache import WIDE_SPREAD, fill_every_slot, random_keys
 
-    from . import harness
-    from .cases_kv_cache import Shape, _layout
+    from .. import harness
+    from ..cases_kv_cache import Shape, _layout
 
     dev = torch.device("cuda")
     bw = harness.copy_bandwidth(dev)
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return float(triton.testing.do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="median"))
 
     # Same-run yardsticks: one empty Triton launch, and a torch copy moving the same bytes.
-    from .empty_kernel import launch_empty
+    from ..empty_kernel import launch_empty
 
     empty_us = bench(lambda: launch_empty(dev)) * 1e3
     print(f"empty Triton launch {empty_us:.2f} us")

@@ -1,6 +1,6 @@
 """C4A at 16 local heads (V4-Pro TP8) across context lengths: ours against FlashMLA (GPU).
 
-``python -m benchmarks.exp_context [--out DIR] [--rep-ms N] [--heads 16] [--topk 1024]``
+``python -m benchmarks.experiments.exp_context [--out DIR] [--rep-ms N] [--heads 16] [--topk 1024]``
 
 For C4A layers ours (the per-token wgmma kernel, index build included) costs
 in proportion to each token's valid keys; at a 131,072-token context, where
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from . import harness
-from .cases_sparse_mla import FLASHMLA_GATHER, OURS_INDEX, AttnShape, build_cases
+from .. import harness
+from ..cases_sparse_mla import FLASHMLA_GATHER, OURS_INDEX, AttnShape, build_cases
 
 # (requests, tokens each, context of each after the chunk)
 BATCHES = (
@@ -48,7 +48,7 @@ def shapes(heads: int, topk: int) -> list[AttnShape]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.exp_context")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.experiments.exp_context")
     p.add_argument("--out", type=Path, default=Path("exp-context"))
     p.add_argument("--rep-ms", type=int, default=100)
     p.add_argument("--heads", type=int, default=16)

@@ -2,7 +2,7 @@
 
 ``ncu --kernel-name regex:_store_tiles --metrics
 l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum,smsp__inst_executed_op_shared_st.sum
---csv python3 -m benchmarks.exp_shared_store``
+--csv python3 -m benchmarks.experiments.exp_shared_store``
 
 Each of 132 programs stores the ``[64, 512]`` bf16 tile of the Gluon sparse MLA
 kernel (wgmma's 128-byte swizzled layout, eight 64-column blocks) 1,000 times

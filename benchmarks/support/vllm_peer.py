@@ -11,12 +11,12 @@ from an installed vLLM on demand and never committed.
 
 Stage (where vLLM's CPU build is installed, e.g. the ``vllm`` nox venv)::
 
-    python -m benchmarks.vllm_peer --out .vllm_peer
+    python -m benchmarks.support.vllm_peer --out .vllm_peer
 
 Use (here under ``TRITON_INTERPRET=1``, or on a GPU machine with the folder
 carried)::
 
-    ops = benchmarks.vllm_peer.load(".vllm_peer")
+    ops = benchmarks.support.vllm_peer.load(".vllm_peer")
     ops.combine_topk_swa_indices(...)       # vLLM's function, vLLM's kernel
 
 ``load`` returns vLLM's ``cache_utils`` module; ``load_cutedsl`` returns
@@ -52,7 +52,7 @@ FILES = (
 OPTIONAL_FILES = ("transformers_utils/deepseek_v4_utils.py",)
 # Our shims for the vLLM modules those files import (only the names they use).
 SHIMS = {
-    "__init__.py": '"""Staged vLLM DSV4 cache kernels (benchmarks/vllm_peer.py)."""\n'
+    "__init__.py": '"""Staged vLLM DSV4 cache kernels (benchmarks/support/vllm_peer.py)."""\n'
     "__version__ = {version!r}\n",
     "envs.py": "VLLM_TRITON_JIT_WARMUP_NUM_THREADS = 1\n",
     "logger.py": "import logging\n\n\ndef init_logger(name):\n    return logging.getLogger(name)\n",
@@ -116,7 +116,7 @@ def _ensure_path(folder: str | Path) -> None:
     path = str(Path(folder).resolve())
     if not (Path(path) / PACKAGE).is_dir():
         raise FileNotFoundError(
-            f"no staged {PACKAGE} in {path}: run python -m benchmarks.vllm_peer"
+            f"no staged {PACKAGE} in {path}: run python -m benchmarks.support.vllm_peer"
         )
     if path not in sys.path:
         sys.path.insert(0, path)

@@ -1,12 +1,12 @@
 """Where the sparse MLA kernel's time goes, on the GPU: ablations and an ``ncu`` target.
 
-``python -m benchmarks.profile_sparse_mla [--case NAME] [--ablate] [--launches N]``
+``python -m benchmarks.experiments.profile_sparse_mla [--case NAME] [--ablate] [--launches N]``
 
 * ``--launches N`` (default 3): run the case's paged kernel N times, after one
   checked run, so ``ncu --launch-skip 1 --launch-count 1`` can profile a warm
   launch.  The committed profile (``docs/results/h200-profile/``) was taken with
   ``ncu --clock-control none --kernel-name regex:_sparse_mla_kernel --launch-skip 1
-  --launch-count 1 --set full -o prof python3 -m benchmarks.profile_sparse_mla
+  --launch-count 1 --set full -o prof python3 -m benchmarks.experiments.profile_sparse_mla
   --launches 2`` and read with ``ncu --import prof.ncu-rep --page details`` and
   ``--page source --print-source sass --csv``, summarised by ``--summarise FILE``
   (no GPU needed for that).
@@ -42,8 +42,10 @@ from typing import Any
 
 import torch
 
-from .cases_metadata import fresh_seed
-from .inputs_sparse_mla import (
+from dsv4_kernels._jit_layout import HEAD_DIM, NQ, NQ_PAD
+
+from ..cases_metadata import fresh_seed
+from ..inputs_sparse_mla import (
     MATRIX,
     assert_close_attention,
     check_tokens,
@@ -87,9 +89,6 @@ def _patch(kind: str) -> None:
             b,
             sbytes,
             PAGED: tl.constexpr,
-            HEAD_DIM: tl.constexpr,
-            NQ: tl.constexpr,
-            NQ_PAD: tl.constexpr,
             BLOCK_N: tl.constexpr,
             BF16_DEQUANT: tl.constexpr,
             WORDS: tl.constexpr = False,
@@ -184,7 +183,7 @@ def summarise(sass_csv: Path, tokens: int, top: int = 16) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.profile_sparse_mla")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.experiments.profile_sparse_mla")
     p.add_argument("--case", default="c4a-flash-tp8-1x16384@131072")
     p.add_argument("--launches", type=int, default=3)
     p.add_argument("--ablate", action="store_true")

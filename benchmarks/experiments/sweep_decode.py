@@ -1,6 +1,6 @@
 """Split-policy sweep of the sparse MLA decode (``dsv4_kernels.decode.DECODE_TILES``).
 
-``python -m benchmarks.sweep_decode --variants "NOSPLIT_DIV=4;MIN_TILES_PER_SPLIT=2"
+``python -m benchmarks.experiments.sweep_decode --variants "NOSPLIT_DIV=4;MIN_TILES_PER_SPLIT=2"
 --only c4a-pro-tp8-t1,...``: for each variant (``;``-separated, each a ``,``-separated
 list of ``KEY=VALUE`` over the defaults; the defaults run first) every chosen case of
 :mod:`.cases_decode` is checked and timed under a CUDA graph (ours only); prints us
@@ -19,10 +19,10 @@ import torch
 def main(argv: list[str] | None = None) -> int:
     from dsv4_kernels import decode as dec
 
-    from . import cases_decode as cd
-    from . import harness
+    from .. import cases_decode as cd
+    from .. import harness
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_decode")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.experiments.sweep_decode")
     p.add_argument("--variants", default="")
     p.add_argument("--only", default="", help="comma-separated exact case names (default all)")
     p.add_argument("--rep-ms", type=int, default=20)
