@@ -47,25 +47,26 @@ class _Offline:
 
     def __getitem__(self, grid: Any) -> Any:
         def compile_only(*args: Any, **kwargs: Any) -> None:
-            from triton.compiler import ASTSource
-            from triton.compiler import compile as tcompile
-            from triton.experimental.gluon._runtime import GluonASTSource
-            from triton.runtime.jit import create_function_from_signature
-
-            target, backend = _compiler()
-            fn = self.fn
-            binder = create_function_from_signature(fn.signature, fn.params, backend)
-            bound, spec, opts = binder(*args, **kwargs)
-            options, signature, constexprs, attrs = fn._pack_args(
-                backend, kwargs, bound, spec, opts
-            )
-            source = GluonASTSource if fn.is_gluon() else ASTSource
-            kernel = tcompile(
-                source(fn, signature, constexprs, attrs), target=target, options=options.__dict__
-            )
-            self.sink.append((fn.__name__, kernel))
+            self.sink.append((self.fn.__name__, compile_offline(self.fn, args, kwargs)))
 
         return compile_only
+
+
+def compile_offline(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The kernel ``fn[grid](*args, **kwargs)`` would launch, compiled for sm_90 (no GPU)."""
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as tcompile
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+
+    target, backend = _compiler()
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, opts = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+    source = GluonASTSource if fn.is_gluon() else ASTSource
+    return tcompile(
+        source(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+    )
 
 
 def _cuobjdump(cubin: bytes, *flags: str) -> str:
