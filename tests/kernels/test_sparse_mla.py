@@ -8,6 +8,7 @@ second kernel's cases have files of their own."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -77,6 +78,25 @@ def _outputs(T: int, H: int, device: torch.device) -> tuple[torch.Tensor, torch.
     lse = torch.empty(T, H, dtype=torch.float32, device=device)
     ts.poison_outputs(out, lse)
     return out, lse
+
+
+def _paged(
+    fn: Any,
+    q: torch.Tensor,
+    swa: Any,
+    comp: Any,
+    a_idx: torch.Tensor,
+    a_len: torch.Tensor,
+    b_idx: torch.Tensor,
+    b_len: torch.Tensor,
+    sink: torch.Tensor | None,
+    **kw: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fn`` (the kernel or its reference) over a :func:`_case`'s window and compressed
+    sources (64-slot window pages, 2-entry compressed pages)."""
+    return fn(q, swa.cache, a_idx, a_len, SCALE, swa_block_size=64, attn_sink=sink,
+              comp_cache=comp.cache, comp_indices=b_idx, comp_lens=b_len, comp_block_size=2,
+              **kw)  # fmt: skip
 
 
 def _case(device: torch.device, seed: int, *, layers: int = 1, three_d: bool = True, T: int = 5):
@@ -277,19 +297,7 @@ def test_workspace_matches_spec_and_paged(
         q, kv.unsqueeze(1) if three_d_kv else kv, idx, None, SCALE, attn_sink=sink, out=out, lse=lse
     )
     _check(out, lse, spec(q, [(kv.float(), idx, None)], SCALE, sink))
-    paged = dk.sparse_mla_paged(
-        q,
-        swa.cache,
-        a_idx,
-        a_len,
-        SCALE,
-        swa_block_size=64,
-        attn_sink=sink,
-        comp_cache=comp.cache,
-        comp_indices=b_idx,
-        comp_lens=b_len,
-        comp_block_size=2,
-    )
+    paged = _paged(dk.sparse_mla_paged, q, swa, comp, a_idx, a_len, b_idx, b_len, sink)
     torch.testing.assert_close(paged[0].float(), out.float(), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(paged[1], lse, **LSE_TOL)
 
@@ -305,37 +313,11 @@ def test_reference_matches_spec(H: int, monkeypatch: pytest.MonkeyPatch) -> None
     sink = ts.random_sink(H, generator=g, device=device)
     out, lse = _outputs(T, H, device)
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the public CPU path now runs the reference
-    dk.sparse_mla_paged(
-        q,
-        swa.cache,
-        a_idx,
-        a_len,
-        SCALE,
-        swa_block_size=64,
-        attn_sink=sink,
-        out=out,
-        lse=lse,
-        comp_cache=comp.cache,
-        comp_indices=b_idx,
-        comp_lens=b_len,
-        comp_block_size=2,
-    )
+    _paged(dk.sparse_mla_paged, q, swa, comp, a_idx, a_len, b_idx, b_len, sink, out=out, lse=lse)
     sources = [(swa.values, a_idx, a_len), (comp.values, b_idx, b_len)]
     want = spec(q, sources, SCALE, sink)
     _check(out, lse, want)
-    direct = ref.sparse_mla_paged(
-        q,
-        swa.cache,
-        a_idx,
-        a_len,
-        SCALE,
-        swa_block_size=64,
-        attn_sink=sink,
-        comp_cache=comp.cache,
-        comp_indices=b_idx,
-        comp_lens=b_len,
-        comp_block_size=2,
-    )
+    direct = _paged(ref.sparse_mla_paged, q, swa, comp, a_idx, a_len, b_idx, b_len, sink)
     assert torch.equal(direct[0], out) and torch.equal(direct[1], lse)
     kv = swa.values.to(torch.bfloat16)
     w_out, w_lse = _outputs(T, H, device)
@@ -519,18 +501,16 @@ def test_tile_variants_and_head_blocks(tiles: dict, H: int, kernel_device: torch
     q = ts.random_q(a_idx.shape[0], H, generator=g, device=kernel_device)
     sink = ts.random_sink(H, generator=g, device=kernel_device)
     out, lse = _outputs(a_idx.shape[0], H, kernel_device)
-    dk.sparse_mla_paged(
+    _paged(
+        dk.sparse_mla_paged,
         q,
-        swa.cache,
+        swa,
+        comp,
         a_idx,
         a_len,
-        SCALE,
-        swa_block_size=64,
-        attn_sink=sink,
-        comp_cache=comp.cache,
-        comp_indices=b_idx,
-        comp_lens=b_len,
-        comp_block_size=2,
+        b_idx,
+        b_len,
+        sink,
         out=out,
         lse=lse,
         tiles={"small": tiles, "large": tiles},
