@@ -130,7 +130,10 @@ def build_cases(
     smoke: bool,
     shapes: Sequence[DecodeShape] | None = None,
     flashmla: bool = True,
+    policy: dict[str, int] | None = None,
 ) -> list[BenchCase]:
+    """The cases of ``shapes`` (default: the matrix, or the smoke set), ours run with the
+    split ``policy`` (:data:`dsv4_kernels.decode.DecodePolicy`; None: the defaults)."""
     import dsv4_kernels as dk
     from dsv4_kernels import reference as ref
     from dsv4_kernels.testing import decode as td
@@ -150,7 +153,7 @@ def build_cases(
     widths = [128 + (s.topk if s.layer == "c4a" else 0) for s in shapes]
     widths.append(128 + (C128A_WIDTH if gpu else context // 128))
     sizes = dk.decode_scratch_sizes(max(max_t, 1024 if gpu else 1), max(max_h, 64 if gpu else 1),
-                                    max(widths), device)  # fmt: skip
+                                    max(widths), device, policy=policy)  # fmt: skip
     if _CACHE.get("sizes") != sizes:
         _CACHE["sizes"] = sizes
         _CACHE["scratch"] = dk.make_decode_scratch(sizes, device)
@@ -199,7 +202,8 @@ def build_cases(
 
         def ours_call(r: Any, c: Any = case, o: torch.Tensor = out, l: torch.Tensor = lse) -> None:
             dk.sparse_mla_decode(c.q, c.pools.swa.cache, r.swa_indices, r.swa_lens, SCALE,
-                                 scratch=scratch, out=o, lse=l, **c.kwargs(r))  # fmt: skip
+                                 scratch=scratch, out=o, lse=l, policy=policy,
+                                 **c.kwargs(r))  # fmt: skip
 
         def poison(o: torch.Tensor = out, l: torch.Tensor = lse) -> None:
             o.fill_(float("nan"))
@@ -238,6 +242,7 @@ def build_cases(
             128,
             0 if last.comp_indices is None else last.comp_indices.shape[1],
             dk.decode.num_sms(device),
+            policy=policy,
         )
         cases.append(
             BenchCase(

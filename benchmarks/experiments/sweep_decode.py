@@ -1,4 +1,5 @@
-"""Split-policy sweep of the sparse MLA decode (``dsv4_kernels.decode.DECODE_TILES``).
+"""Split-policy sweep of the sparse MLA decode (``dsv4_kernels.decode.DECODE_TILES``,
+each variant passed as the kernels' ``policy=`` argument).
 
 ``python -m benchmarks.experiments.sweep_decode --variants "NOSPLIT_DIV=4;MIN_TILES_PER_SPLIT=2"
 --only c4a-pro-tp8-t1,...``: for each variant (``;``-separated, each a ``,``-separated
@@ -17,8 +18,6 @@ import torch
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dsv4_kernels import decode as dec
-
     from .. import cases_decode as cd
     from .. import harness
 
@@ -31,7 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     names = [s for s in args.only.split(",") if s]
     shapes = [s for s in cd.matrix() if not names or s.name in names]
-    base = dict(dec.DECODE_TILES)
     variants: list[dict[str, int]] = [{}]
     for v in (x for x in args.variants.split(";") if x):
         variants.append({k: int(val) for k, val in (kv.split("=") for kv in v.split(","))})
@@ -40,9 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     for shape in shapes:
         line = [f"{shape.name:<26}"]
         for var in variants:
-            dec.DECODE_TILES.clear()
-            dec.DECODE_TILES.update({**base, **var})
-            cases = cd.build_cases(device, False, [shape], flashmla=False)
+            cases = cd.build_cases(device, False, [shape], flashmla=False, policy=var)
             res = cd.finalise(harness.run_cases(cases, device, 1e12, args.rep_ms, lambda s: None),
                               launch)  # fmt: skip
             ours = next(r for r in res if r.provider == cd.OURS)
@@ -51,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
             line.append(f"{ours.p50_us:8.2f} ({ours.params['splits']:>2})")
             del cases
         print(" ".join(line), flush=True)
-    dec.DECODE_TILES.clear()
-    dec.DECODE_TILES.update(base)
     print("variants:", ["defaults", *variants])
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -116,6 +116,40 @@ def test_split_policy_covers_every_column(sms: int) -> None:
     assert dec.decode_splits(1, 8, 128, 512, 132) == (10, 64)
 
 
+def test_split_policy_by_argument_leaves_the_defaults_alone(kernel_device: torch.device) -> None:
+    """A sweep passes its variant as ``policy=`` (no module global is rebound): it changes
+    the splits, the scratch it needs and nothing of the result; bad entries are refused
+    by name."""
+    before = dict(dec.DECODE_TILES)
+    # at least two tiles per chunk: half the chunks, twice as long
+    assert dec.decode_splits(1, 8, 128, 512, 132, policy={"MIN_TILES_PER_SPLIT": 2}) == (5, 128)
+    assert dec.decode_splits(1, 8, 128, 512, 132) == (10, 64)
+    # every token unsplit once NOSPLIT_DIV * tokens reaches the target
+    assert dec.decode_splits(2, 8, 128, 512, 132, policy={"NOSPLIT_DIV": 400})[0] == 1
+    small = dk.decode_scratch_sizes(64, 8, 640, sms=132, policy={"MIN_TILES_PER_SPLIT": 2})
+    assert small.partial_rows < dk.decode_scratch_sizes(64, 8, 640, sms=132).partial_rows
+    seed = fresh_seed()
+    g = torch.Generator(device=kernel_device).manual_seed(seed)
+    case = td.make_decode_case("c4a", 2, 1, 8, context=700, generator=g, device=kernel_device,
+                               swa_pages=8, comp_pages=64, topk=256)  # fmt: skip
+    r = case.rows
+    scratch = dk.make_decode_scratch(
+        dk.decode_scratch_sizes(2, 8, 384, kernel_device), kernel_device
+    )
+    args = (case.q, case.pools.swa.cache, r.swa_indices, r.swa_lens, SCALE)
+    a = dk.sparse_mla_decode(*args, scratch=scratch, **case.kwargs(r))
+    a = (a[0].clone(), a[1].clone())
+    b = dk.sparse_mla_decode(*args, scratch=scratch, policy={"MIN_TILES_PER_SPLIT": 3},
+                             **case.kwargs(r))  # fmt: skip
+    check(a[0], a[1], oracle(case.q, case.sources(), SCALE, case.sink))
+    check(b[0], b[1], oracle(case.q, case.sources(), SCALE, case.sink))
+    assert before == dec.DECODE_TILES
+    for bad, match in (({"SPLITS": 2}, "unknown entries"), ({"NOSPLIT_DIV": -1}, "NOSPLIT_DIV"),
+                       ({"NOSPLIT_DIV": 1.5}, "NOSPLIT_DIV"), ([1], "mapping")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            dk.sparse_mla_decode(*args, scratch=scratch, policy=bad, **case.kwargs(r))  # type: ignore[arg-type]
+
+
 def test_decode_scratch_sizes_and_buffer() -> None:
     sizes = dk.decode_scratch_sizes(8, 16, 640, "cpu")
     assert sizes.partial_out == sizes.partial_rows * 16 * 512

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from collections.abc import Mapping
 
 import torch
 import triton
@@ -47,6 +48,7 @@ from .geometry import HEAD_DIM
 
 __all__ = [
     "DECODE_TILES",
+    "DecodePolicy",
     "DecodeScratch",
     "DecodeScratchSizes",
     "decode_scratch_sizes",
@@ -78,6 +80,29 @@ DECODE_TILES: dict[str, int] = dict(
 )
 
 
+DecodePolicy = Mapping[str, int]
+"""Entries of :data:`DECODE_TILES` to use instead of the measured defaults (the
+``policy=`` argument of :func:`decode_splits`, :func:`decode_scratch_sizes` and
+:func:`sparse_mla_decode`: sweeps pass their variants instead of rebinding the
+table); an entry it leaves out keeps its default."""
+
+
+def _policy(policy: DecodePolicy | None) -> Mapping[str, int]:
+    if policy is None:
+        return DECODE_TILES
+    if not isinstance(policy, Mapping):
+        raise ValueError(f"policy must be a mapping of DECODE_TILES entries, got {policy!r}")
+    unknown = sorted(set(policy) - set(DECODE_TILES))
+    if unknown:
+        raise ValueError(
+            f"policy: unknown entries {unknown}; DECODE_TILES has {sorted(DECODE_TILES)}"
+        )
+    for key, value in policy.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"policy[{key!r}] must be an int >= 0, got {value!r}")
+    return {**DECODE_TILES, **policy}
+
+
 @functools.cache
 def _device_sms(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
@@ -92,7 +117,13 @@ def num_sms(device: torch.device | str | None = None) -> int:
 
 
 def decode_splits(
-    num_tokens: int, num_heads: int, a_width: int, b_width: int, sms: int
+    num_tokens: int,
+    num_heads: int,
+    a_width: int,
+    b_width: int,
+    sms: int,
+    *,
+    policy: DecodePolicy | None = None,
 ) -> tuple[int, int]:
     """``(num_splits, chunk)`` for a decode call, from sizes only.
 
@@ -101,9 +132,9 @@ def decode_splits(
     policy's programs per multiprocessor: ``tiles_per_split = ceil(tiles *
     num_tokens / target)`` (at least ``MIN_TILES_PER_SPLIT``).  ``num_splits ==
     1`` (the per-token kernel, ``chunk`` the whole list) once the tokens alone
-    reach ``1 / NOSPLIT_DIV`` of the target.
+    reach ``1 / NOSPLIT_DIV`` of the target.  ``policy``: :data:`DecodePolicy`.
     """
-    cfg = DECODE_TILES
+    cfg = _policy(policy)
     tile = cfg["TILE_KEYS"]
     width = a_width + b_width
     tiles = max(1, -(-a_width // tile) + -(-b_width // tile))
@@ -155,24 +186,27 @@ def decode_scratch_sizes(
     *,
     window: int = 128,
     sms: int | None = None,
+    policy: DecodePolicy | None = None,
 ) -> DecodeScratchSizes:
     """The scratch a decode batch of up to ``max_tokens`` tokens, ``max_heads`` heads
     and ``max_keys`` columns per token (``window + compressed width``: 640 for
     V4-Flash C4A, ``128 + vLLM's C128A width`` for C128A) needs on ``device``
-    (its multiprocessor count sets the splits; ``sms`` overrides it).  Every batch at
-    most that large fits, whatever its split of columns between the two sources."""
+    (its multiprocessor count sets the splits; ``sms`` overrides it) under ``policy``
+    (:data:`DecodePolicy`).  Every batch at most that large fits, whatever its split
+    of columns between the two sources."""
     check_positive_int("max_tokens", max_tokens)
     check_positive_int("max_heads", max_heads)
     check_positive_int("max_keys", max_keys)
     sms = num_sms(device) if sms is None else check_positive_int("sms", sms)
-    per_sm = max(DECODE_TILES["PROGRAMS_PER_SM_H8"], DECODE_TILES["PROGRAMS_PER_SM"])
+    cfg = _policy(policy)
+    per_sm = max(cfg["PROGRAMS_PER_SM_H8"], cfg["PROGRAMS_PER_SM"])
     rows = 1
     b_max = max(max_keys - window, 0)
-    widths = {b_max, *range(0, b_max + 1, DECODE_TILES["TILE_KEYS"])}
+    widths = {b_max, *range(0, b_max + 1, cfg["TILE_KEYS"])}
     for t in range(1, min(max_tokens, sms * per_sm) + 1):
         for b in widths:
             for h in {1, min(max_heads, 8), max_heads}:
-                s = decode_splits(t, h, min(window, max_keys), b, sms)[0]
+                s = decode_splits(t, h, min(window, max_keys), b, sms, policy=cfg)[0]
                 rows = max(rows, t * s if s > 1 else 1)
     return DecodeScratchSizes(rows, max_heads, max_tokens)
 
@@ -233,6 +267,7 @@ def sparse_mla_decode(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     num_splits: int | None = None,
+    policy: DecodePolicy | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA with sink for a decode step, split over keys (module docstring).
 
@@ -248,6 +283,8 @@ def sparse_mla_decode(
         lse: ``[T, H]`` float32; None writes it into the scratch (returned as a view).
         num_splits: force the number of key chunks (tests, sweeps); None chooses
             it from the sizes (:func:`decode_splits`).
+        policy: split-policy entries instead of :data:`DECODE_TILES`' defaults
+            (:data:`DecodePolicy`; sweeps).
 
     Returns:
         ``(out, lse)``.
@@ -282,11 +319,12 @@ def sparse_mla_decode(
         )
         b_width = b_idx.shape[1]
     a_width = a_idx.shape[1]
+    cfg = _policy(policy)
     if num_splits is None:
-        splits, chunk = decode_splits(T, H, a_width, b_width, num_sms(device))
+        splits, chunk = decode_splits(T, H, a_width, b_width, num_sms(device), policy=cfg)
     else:
         splits = check_positive_int("num_splits", num_splits)
-        tile = DECODE_TILES["TILE_KEYS"]
+        tile = cfg["TILE_KEYS"]
         chunk = -(-max(a_width + b_width, 1) // (splits * tile)) * tile
     _check_scratch(scratch, T, H, T * splits if splits > 1 else 0, device)
     sink = None
@@ -331,7 +369,7 @@ def sparse_mla_decode(
     _k._decode_combine_kernel[(T * H,)](
         po, plse, out, lse, sink if sink is not None else plse, H, splits, out.stride(0),
         out.stride(1), lse.stride(0), HAS_SINK=sink is not None,
-        SPLIT_BLOCK=min(DECODE_TILES["COMBINE_SPLITS"], triton.next_power_of_2(splits)),
+        SPLIT_BLOCK=min(cfg["COMBINE_SPLITS"], triton.next_power_of_2(splits)),
         num_warps=4,
     )  # fmt: skip
     return out, lse
