@@ -82,8 +82,6 @@ from .reference.prefill_indices import expand_grouped_rows
 
 __all__ = ["MAX_HEADS", "TILES", "sparse_mla_paged", "sparse_mla_workspace"]
 
-# The UE8M0 layout constants the Triton kernel takes (one source: geometry).
-
 _LOG2E = 1.4426950408889634
 
 
