@@ -18,9 +18,17 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from ._gluon_sparse_mla import _attend_source, _cta_barrier, _rows
+from ._gluon_sparse_mla import (
+    BN,
+    L_CODE_REG_A,
+    L_CODE_ROWS,
+    L_ROPE_ROWS,
+    _attend_source,
+    _rows,
+    _shared_buffers,
+    _stage_q,
+)
 from ._jit_layout import HEAD_DIM
 from ._triton_decode import SPLIT_RUNTIME_ARGS
 
@@ -46,58 +54,18 @@ def _decode_split_wgmma_kernel(
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr,
     HT: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
 ):  # fmt: skip
-    BN: gl.constexpr = 64
     HP: gl.constexpr = HT
-    L_CODE: gl.constexpr = (
-        gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
-            lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]],
-            block_bases=[],
-            shape=[64, 64],
-        )
-        if REG_A
-        else gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    )
-    L_ROPE: gl.constexpr = L_CODE if REG_A else gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    L_CODE: gl.constexpr = L_CODE_REG_A if REG_A else L_CODE_ROWS
+    L_ROPE: gl.constexpr = L_CODE_REG_A if REG_A else L_ROPE_ROWS
     L_OUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [4, 1], [0, 1])
     L_MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16]
     )
-    k_smem = gl.allocate_shared_memory(
-        gl.bfloat16,
-        [1, BN, HEAD_DIM],
-        gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], gl.bfloat16),
-    )
-    q_smem = gl.allocate_shared_memory(
-        gl.bfloat16,
-        [1, HP, HEAD_DIM],
-        gl.NVMMASharedLayout.get_default_for([HP, HEAD_DIM], gl.bfloat16),
-    )
-    p_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [1, HP, BN], gl.NVMMASharedLayout.get_default_for([HP, BN], gl.bfloat16)
-    )
-
+    k_smem, q_smem, p_smem = _shared_buffers(HP)
     pid = gl.program_id(0)
     t = (pid // num_splits).to(gl.int64)
     s = pid % num_splits
-    tq, hq, q_ok = _rows(t, t + 1, num_heads, HP, HT, gl.SliceLayout(1, L_Q))
-    q_row = tq * q_stride_t + hq.to(gl.int64) * q_stride_h
-    if IO_VEC:
-        q_row = gl.multiple_of(q_row, 8)
-    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, L_Q))
-    q = gl.load(
-        q_ptr + gl.expand_dims(q_row, 1) + gl.expand_dims(dq, 0),
-        mask=gl.expand_dims(q_ok, 1),
-        other=0.0,
-    )
-    if REG_A:  # q's columns in the order the register A operand's blocks take
-        q = gl.reshape(q, [HP, 8, 2, 2, 2, 2, 2, 2])
-        q = gl.reshape(gl.permute(q, (0, 1, 4, 5, 6, 2, 3, 7)), [HP, HEAD_DIM])
-    q_smem.index(0).store(q)
-    fence_async_shared()
-    _cta_barrier()
+    _stage_q(q_smem, q_ptr, t, t + 1, num_heads, q_stride_t, q_stride_h, HP, HT, REG_A, IO_VEC)
 
     m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))

@@ -56,6 +56,25 @@ from ._triton_sparse_mla import RUNTIME_ARGS
 # Triton 3.6, renamed ``barrier`` by 3.9 (which dropped the old name).
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
+# Keys per tile: wgmma's M.
+BN = gl.constexpr(64)
+# The gathered tile's registers: 16-byte rows of FP8 codes and bf16 values, 4 threads
+# per 64-column block (``L_CODE_ROWS``, ``L_ROPE_ROWS``); with REG_A rows as wgmma's
+# accumulator rows, so the codes' registers relabel as its A operand (the rope takes
+# the same layout).
+L_CODE_REG_A = gl.constexpr(
+    gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]],
+        block_bases=[],
+        shape=[64, 64],
+    )
+)
+L_CODE_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+L_ROPE_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
+L_Q = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))  # q's rows as loaded
+
 
 @gluon.jit
 def _gather(
@@ -269,6 +288,52 @@ def _rows(first, end, num_heads, HP: gl.constexpr, HT: gl.constexpr, layout: gl.
 
 
 @gluon.jit
+def _shared_buffers(HP: gl.constexpr):
+    """A program's shared memory: the key tile ``K [BN, 512]``, ``q [HP, 512]`` and ``P^T
+    [HP, BN]``.  Shared by this kernel and the decode's split kernel (:mod:`._gluon_decode`),
+    which allocate them first (the order the measured kernels were built in)."""
+    k_smem = gl.allocate_shared_memory(
+        gl.bfloat16,
+        [1, BN, HEAD_DIM],
+        gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], gl.bfloat16),
+    )
+    q_smem = gl.allocate_shared_memory(
+        gl.bfloat16,
+        [1, HP, HEAD_DIM],
+        gl.NVMMASharedLayout.get_default_for([HP, HEAD_DIM], gl.bfloat16),
+    )
+    p_smem = gl.allocate_shared_memory(
+        gl.bfloat16, [1, HP, BN], gl.NVMMASharedLayout.get_default_for([HP, BN], gl.bfloat16)
+    )
+    return k_smem, q_smem, p_smem
+
+
+@gluon.jit
+def _stage_q(
+    q_smem, q_ptr, first, end, num_heads, q_stride_t, q_stride_h,
+    HP: gl.constexpr, HT: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
+):  # fmt: skip
+    """Store the q rows of tokens ``[first, end)`` (:func:`_rows`; 0 on padded rows) to
+    ``q_smem``, fenced for wgmma and with every thread past the store."""
+    tq, hq, q_ok = _rows(first, end, num_heads, HP, HT, gl.SliceLayout(1, L_Q))
+    q_row = tq * q_stride_t + hq.to(gl.int64) * q_stride_h
+    if IO_VEC:  # strides of whole 16-byte vectors (the launcher checked): 16-byte accesses
+        q_row = gl.multiple_of(q_row, 8)
+    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, L_Q))
+    q = gl.load(
+        q_ptr + gl.expand_dims(q_row, 1) + gl.expand_dims(dq, 0),
+        mask=gl.expand_dims(q_ok, 1),
+        other=0.0,
+    )
+    if REG_A:  # q's columns in the blocks' relabelled order (as :func:`_as_a_operand`)
+        q = gl.reshape(q, [HP, 8, 2, 2, 2, 2, 2, 2])  # [HP, block, p5, p4, p3, p2, p1, p0]
+        q = gl.reshape(gl.permute(q, (0, 1, 4, 5, 6, 2, 3, 7)), [HP, HEAD_DIM])
+    q_smem.index(0).store(q)
+    fence_async_shared()  # q is read by wgmma (the async proxy) from the first tile on
+    _cta_barrier()
+
+
+@gluon.jit
 def _row_range(len_ptr, start_ptr, width, tok, row_ok,
                HAS_LENS: gl.constexpr, HAS_STARTS: gl.constexpr):  # fmt: skip
     """Per row (a token's head): the source columns ``[lo, hi)`` its token reads."""
@@ -303,61 +368,18 @@ def _sparse_mla_wgmma_kernel(
     after ``t``'s group's first token), columns ``[start[t], start[t] + len[t])``, so
     each key is loaded and dequantised once for all of them.  MMA rows: ``G`` tokens x
     ``HT`` heads."""
-    BN: gl.constexpr = 64
     HP: gl.constexpr = G * HT
-    # 16-byte rows of FP8 codes and bf16 values, 4 threads per 64-column block
-    # (REG_A: rows as wgmma's accumulator rows, so the codes' registers relabel as its A
-    # operand; the rope takes the same layout)
-    L_CODE: gl.constexpr = (
-        gl.DistributedLinearLayout(
-            reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
-            lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
-            warp_bases=[[16, 0], [32, 0]],
-            block_bases=[],
-            shape=[64, 64],
-        )
-        if REG_A
-        else gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    )
-    L_ROPE: gl.constexpr = L_CODE if REG_A else gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    L_Q: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+    L_CODE: gl.constexpr = L_CODE_REG_A if REG_A else L_CODE_ROWS
+    L_ROPE: gl.constexpr = L_CODE_REG_A if REG_A else L_ROPE_ROWS
     L_OUT: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [4, 1], [0, 1])
     L_MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16]
     )
-    k_smem = gl.allocate_shared_memory(
-        gl.bfloat16,
-        [1, BN, HEAD_DIM],
-        gl.NVMMASharedLayout.get_default_for([BN, HEAD_DIM], gl.bfloat16),
-    )
-    q_smem = gl.allocate_shared_memory(
-        gl.bfloat16,
-        [1, HP, HEAD_DIM],
-        gl.NVMMASharedLayout.get_default_for([HP, HEAD_DIM], gl.bfloat16),
-    )
-    p_smem = gl.allocate_shared_memory(
-        gl.bfloat16, [1, HP, BN], gl.NVMMASharedLayout.get_default_for([HP, BN], gl.bfloat16)
-    )
-
+    k_smem, q_smem, p_smem = _shared_buffers(HP)
     pid = gl.program_id(0)
     first = pid.to(gl.int64) * G
     end = gl.minimum(first + G, num_tokens)
-    tq, hq, q_ok = _rows(first, end, num_heads, HP, HT, gl.SliceLayout(1, L_Q))
-    q_row = tq * q_stride_t + hq.to(gl.int64) * q_stride_h
-    if IO_VEC:  # strides of whole 16-byte vectors (the launcher checked): 16-byte accesses
-        q_row = gl.multiple_of(q_row, 8)
-    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, L_Q))
-    q = gl.load(
-        q_ptr + gl.expand_dims(q_row, 1) + gl.expand_dims(dq, 0),
-        mask=gl.expand_dims(q_ok, 1),
-        other=0.0,
-    )
-    if REG_A:  # q's columns in the blocks' relabelled order (as :func:`_as_a_operand`)
-        q = gl.reshape(q, [HP, 8, 2, 2, 2, 2, 2, 2])  # [HP, block, p5, p4, p3, p2, p1, p0]
-        q = gl.reshape(gl.permute(q, (0, 1, 4, 5, 6, 2, 3, 7)), [HP, HEAD_DIM])
-    q_smem.index(0).store(q)
-    fence_async_shared()  # q is read by wgmma (the async proxy) from the first tile on
-    _cta_barrier()
+    _stage_q(q_smem, q_ptr, first, end, num_heads, q_stride_t, q_stride_h, HP, HT, REG_A, IO_VEC)
 
     m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))

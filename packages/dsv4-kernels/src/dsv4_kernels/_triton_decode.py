@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._jit_layout import HEAD_DIM
-from ._triton_sparse_mla import _attend_source
+from ._triton_sparse_mla import _attend_source, _finish, _start_heads
 
 SPLIT_RUNTIME_ARGS = [
     "num_tokens",
@@ -107,17 +107,9 @@ def _decode_split_kernel(
     row = pid // HEAD_BLOCKS  # t * num_splits + s
     t = (row // num_splits).to(tl.int64)
     s = row % num_splits
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < num_heads
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + t * q_stride_t + heads[:, None].to(tl.int64) * q_stride_h + d[None, :],
-        mask=h_ok[:, None],
-        other=0.0,
+    heads, h_ok, q, m_i, l_i, acc = _start_heads(
+        q_ptr, t, hb, num_heads, q_stride_t, q_stride_h, BLOCK_H
     )
-    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
 
     lo = s * chunk
     hi = lo + chunk
@@ -147,6 +139,7 @@ def _decode_split_kernel(
     lse2 = tl.where(has_key, m_i + tl.log2(l_safe), float("-inf"))
     o = acc * tl.where(has_key, 1.0 / l_safe, 0.0)[:, None]
     prow = row.to(tl.int64) * num_heads + heads
+    d = tl.arange(0, HEAD_DIM)
     tl.store(po_ptr + prow[:, None] * HEAD_DIM + d[None, :], o, mask=h_ok[:, None])
     tl.store(plse_ptr + prow, lse2, mask=h_ok)
 
@@ -188,16 +181,8 @@ def _decode_combine_kernel(
         acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
         l_sum = l_sum * alpha + tl.sum(w, axis=0)
         m = m_new
-    LN2: tl.constexpr = 0.6931471805599453
-    LOG2E: tl.constexpr = 1.4426950408889634
-    has_key = l_sum > 0.0
-    l_safe = tl.where(has_key, l_sum, 1.0)
-    lse2 = tl.where(has_key, m, 0.0) + tl.log2(l_safe)
-    factor = tl.where(has_key, 1.0 / l_safe, 0.0)
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + h + tl.zeros((1,), tl.int32))
-        factor = factor / (1.0 + tl.exp2(sink * LOG2E - lse2))
-    lse = tl.where(has_key, lse2 * LN2, float("-inf"))
+    hv = h + tl.zeros((1,), tl.int32)
+    factor, lse = _finish(m, l_sum, sink_ptr, hv, True, HAS_SINK)
     o = acc * tl.sum(factor, axis=0)
     tl.store(out_ptr + t * out_stride_t + h * out_stride_h + d, o.to(tl.bfloat16))
-    tl.store(lse_ptr + t * lse_stride_t + h + tl.zeros((1,), tl.int32), lse)
+    tl.store(lse_ptr + t * lse_stride_t + hv, lse)

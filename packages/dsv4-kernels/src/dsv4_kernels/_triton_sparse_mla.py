@@ -251,6 +251,44 @@ def _attend_source(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _start_heads(q_ptr, t, hb, num_heads, q_stride_t, q_stride_h, BLOCK_H: tl.constexpr):
+    """A program's heads ``hb * BLOCK_H + [0, BLOCK_H)`` of token ``t`` (which of them are
+    real), their q rows ``[BLOCK_H, 512]`` (0 on padded heads) and a fresh online-softmax
+    state (running max, sum, accumulator).  Shared by this kernel and the decode's split
+    kernel."""
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < num_heads
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + t * q_stride_t + heads[:, None].to(tl.int64) * q_stride_h + d[None, :],
+        mask=h_ok[:, None],
+        other=0.0,
+    )
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
+    return heads, h_ok, q, m_i, l_i, acc
+
+
+@triton.jit
+def _finish(m, l_sum, sink_ptr, heads, h_ok, HAS_SINK: tl.constexpr):
+    """From a base-2 softmax state (max ``m``, sum ``l_sum``) of heads ``heads``: the
+    factor the accumulated output is multiplied by (``1 / l``, then the sink's ``1 / (1 +
+    exp(sink - lse))``; 0 without a valid key) and the natural-log lse without the sink
+    (``-inf`` without a valid key).  Shared by this kernel and the decode's combine."""
+    LN2: tl.constexpr = 0.6931471805599453
+    LOG2E: tl.constexpr = 1.4426950408889634
+    has_key = l_sum > 0.0
+    l_safe = tl.where(has_key, l_sum, 1.0)
+    lse2 = tl.where(has_key, m, 0.0) + tl.log2(l_safe)  # base-2 lse of the scaled scores
+    factor = tl.where(has_key, 1.0 / l_safe, 0.0)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + heads, mask=h_ok, other=float("-inf"))
+        factor = factor / (1.0 + tl.exp2(sink * LOG2E - lse2))
+    return factor, tl.where(has_key, lse2 * LN2, float("-inf"))
+
+
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def _sparse_mla_kernel(
     # pointers
@@ -302,18 +340,9 @@ def _sparse_mla_kernel(
     pid = tl.program_id(0)
     t = (pid // HEAD_BLOCKS).to(tl.int64)
     hb = pid % HEAD_BLOCKS
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = heads < num_heads
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + t * q_stride_t + heads[:, None].to(tl.int64) * q_stride_h + d[None, :],
-        mask=h_ok[:, None],
-        other=0.0,
+    heads, h_ok, q, m_i, l_i, acc = _start_heads(
+        q_ptr, t, hb, num_heads, q_stride_t, q_stride_h, BLOCK_H
     )
-
-    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, HEAD_DIM), tl.float32)
 
     a_len = a_width
     if A_HAS_LENS:
@@ -333,17 +362,9 @@ def _sparse_mla_kernel(
             B_WORDS,
         )  # fmt: skip
 
-    LN2: tl.constexpr = 0.6931471805599453
-    LOG2E: tl.constexpr = 1.4426950408889634
-    has_key = l_i > 0.0
-    l_safe = tl.where(has_key, l_i, 1.0)
-    lse2 = tl.where(has_key, m_i, 0.0) + tl.log2(l_safe)  # base-2 lse of the scaled scores
-    factor = tl.where(has_key, 1.0 / l_safe, 0.0)
-    if HAS_SINK:
-        sink = tl.load(sink_ptr + heads, mask=h_ok, other=float("-inf"))
-        factor = factor / (1.0 + tl.exp2(sink * LOG2E - lse2))
+    factor, lse = _finish(m_i, l_i, sink_ptr, heads, h_ok, HAS_SINK)
     o = acc * factor[:, None]
-    lse = tl.where(has_key, lse2 * LN2, float("-inf"))  # natural log, without the sink
+    d = tl.arange(0, HEAD_DIM)
     tl.store(
         out_ptr + t * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h + d[None, :],
         o.to(tl.bfloat16),

@@ -71,7 +71,9 @@ def _combine_args(
     max_image_tokens: int,
     num_tokens: int | None,
 ) -> tuple[int, int]:
-    """Validate on the host; return (num_tokens, row width)."""
+    """Validate :func:`combine_topk_swa_indices`'s arguments on the host (its parameters,
+    in its order, with ``out`` a tensor or None); return (num_tokens, row width).  Its own
+    function so the metadata sweep can time the validation alone."""
     check_tensor("query_start_loc", query_start_loc, dtype=INDEX_DTYPES, ndim=1)
     device = query_start_loc.device
     check_tensor("seq_lens", seq_lens, dtype=INDEX_DTYPES, ndim=1, device=device)
@@ -214,21 +216,13 @@ def combine_topk_swa_indices(
                 "given with a pair"
             )
         out, lens_out = out
+    # the row arguments, in the order every step below takes them
+    rows = (
+        topk_indices, query_start_loc, seq_lens, gather_lens, window_size, compress_ratio,
+        topk, M, N,
+    )  # fmt: skip
     num_tokens, width = _combine_args(
-        topk_indices,
-        query_start_loc,
-        seq_lens,
-        gather_lens,
-        window_size,
-        compress_ratio,
-        topk,
-        M,
-        N,
-        out,
-        left_visible,
-        right_visible,
-        max_image_tokens,
-        num_tokens,
+        *rows, out, left_visible, right_visible, max_image_tokens, num_tokens
     )
     device = query_start_loc.device
     check_out("lens_out", lens_out, (num_tokens,), torch.int32, device, allow_more_rows=True)
@@ -241,15 +235,7 @@ def combine_topk_swa_indices(
         from .reference import metadata as ref
 
         return ref.combine_topk_swa_indices(
-            topk_indices,
-            query_start_loc,
-            seq_lens,
-            gather_lens,
-            window_size,
-            compress_ratio,
-            topk,
-            M,
-            N,
+            *rows,
             out=out,
             left_visible=left_visible,
             right_visible=right_visible,
@@ -262,21 +248,7 @@ def combine_topk_swa_indices(
         return out, lens
     if seq_lens.shape[0] == 0:
         raise ValueError("seq_lens must not be empty when there are query tokens")
-    _launch_combine(
-        topk_indices if topk > 0 else None,
-        query_start_loc,
-        seq_lens,
-        gather_lens,
-        window_size,
-        compress_ratio,
-        topk,
-        M,
-        N,
-        out,
-        lens,
-        left_visible,
-        right_visible,
-    )
+    _launch_combine(*rows, out, lens, left_visible, right_visible)  # no top-k read at topk 0
     return out, lens
 
 
