@@ -211,7 +211,7 @@ def build_cases(
                 2,
                 ours(
                     OURS_GROUPED,
-                    lambda i=inp, o=out, l=lse, g=group: i.run_grouped(o, l, i.build_grouped(g)),
+                    lambda i=inp, o=out, l=lse, g=group: i.run_paged(o, l, i.build_grouped(g)),
                 ),
             )
         if fmla:

@@ -92,12 +92,16 @@ class AttnInputs:
         return kw
 
     def run_paged(self, out: torch.Tensor, lse: torch.Tensor, rows: Any = None) -> None:
+        """Attention over the paged caches on this chunk's rows, or on ``rows``: per-token
+        rows, or grouped rows (from :meth:`build_grouped`: leaders, starts, group size)."""
         import dsv4_kernels as dk
 
         r = self.rows if rows is None else rows
         kw = self.paged_kwargs()
         if self.comp_cache is not None:
             kw.update(comp_indices=r.comp, comp_lens=r.comp_lens)
+        if isinstance(r, dk.GroupedPrefillIndices):
+            kw.update(leads=r.leads, group_size=r.group_size, swa_starts=r.window_starts)
         dk.sparse_mla_paged(
             self.q,
             self.swa_cache,
@@ -125,28 +129,6 @@ class AttnInputs:
             comp_block_table=c.comp_block_table if comp else None,
             comp_block_size=self.comp_block_size if comp else None,
             topk=c.topk if comp else None,
-        )
-
-    def run_grouped(self, out: torch.Tensor, lse: torch.Tensor, rows: Any) -> None:
-        """Attention on grouped rows (from :meth:`build_grouped`)."""
-        import dsv4_kernels as dk
-
-        kw = self.paged_kwargs()
-        if self.comp_cache is not None:
-            kw.update(comp_indices=rows.comp, comp_lens=rows.comp_lens)
-        dk.sparse_mla_paged(
-            self.q,
-            self.swa_cache,
-            rows.window,
-            rows.window_lens,
-            SCALE,
-            out=out,
-            lse=lse,
-            leads=rows.leads,
-            group_size=rows.group_size,
-            swa_starts=rows.window_starts,
-            tiles=self.tiles,
-            **kw,
         )
 
     def run_workspace(self, out: torch.Tensor, lse: torch.Tensor) -> None:

@@ -107,7 +107,7 @@ def compile_variant(
         out = torch.empty((T, H, 512), dtype=torch.bfloat16)
         lse = torch.empty((T, H), dtype=torch.float32)
         if group > 1:
-            inp.run_grouped(out, lse, inp.build_grouped(group))
+            inp.run_paged(out, lse, inp.build_grouped(group))
         else:
             inp.run_paged(out, lse)
     finally:

@@ -32,6 +32,7 @@ import dsv4_kernels as dk
 from dsv4_kernels import sparse_mla
 from dsv4_kernels.testing.common import fresh_seed, generator
 
+from ._vllm_hopper import hopper_attention_class
 from .vllm_layout import vllm_dsv4_caches
 
 pytestmark = pytest.mark.vllm
@@ -44,32 +45,13 @@ SEQ = (400, 90, 2300, 9000, 41)  # the second prefill has 2250 > 4 x 512 C4A ent
 @pytest.fixture(scope="module")
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
     from benchmarks.support import vllm_peer
-    from vllm.config import VllmConfig
-    from vllm.models.deepseek_v4.nvidia import flashmla, model
-    from vllm.platforms.interface import DeviceCapability
-
-    from dsv4_attention import plugin
+    from vllm.models.deepseek_v4.nvidia import flashmla
 
     folder = tmp_path_factory.mktemp("vllm_peer")
     vllm_peer.stage(Path(folder))
     ops = vllm_peer.load(folder)
-    plugin.unregister()
-    import os
-
-    os.environ["DSV4_KERNELS_FORCE"] = "1"
-    try:
-        plugin.register()
-    finally:
-        del os.environ["DSV4_KERNELS_FORCE"]
-    assert "vllm.models.deepseek_v4.nvidia.model._select_dsv4_attn_cls" in plugin.patched()
-    saved = model.current_platform
-    model.current_platform = types.SimpleNamespace(
-        get_device_capability=lambda device_id=0: DeviceCapability(9, 0), is_cuda=lambda: True
-    )
-    ours_cls = model._select_dsv4_attn_cls(VllmConfig())
-    model.current_platform = saved
-    yield types.SimpleNamespace(ops=ops, flashmla=flashmla, ours_cls=ours_cls)
-    plugin.unregister()
+    with hopper_attention_class() as ours_cls:
+        yield types.SimpleNamespace(ops=ops, flashmla=flashmla, ours_cls=ours_cls)
 
 
 def _vllm_attention(q, kv, indices, sm_scale, attn_sink, topk_length, out):

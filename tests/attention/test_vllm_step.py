@@ -22,7 +22,6 @@ the profile run, and the cache layout guard.
 
 from __future__ import annotations
 
-import os
 import threading
 import types
 from collections.abc import Iterator
@@ -31,11 +30,11 @@ import pytest
 import torch
 
 import dsv4_kernels as dk
-from dsv4_attention import plugin
 from dsv4_attention import vllm_backend as vb
 from dsv4_attention.prefill import PrefillPlan, reference_forward_prefill
 from dsv4_kernels.testing.common import fresh_seed, generator
 
+from ._vllm_hopper import hopper_attention_class
 from .vllm_layout import vllm_dsv4_caches
 
 pytestmark = pytest.mark.vllm
@@ -51,29 +50,9 @@ MAX_MODEL_LEN = 4096
 @pytest.fixture(scope="module")
 def ours_cls() -> Iterator[type]:
     """The plugin's attention class, as vLLM's patched selector returns it on Hopper."""
-    from vllm.config import VllmConfig
-    from vllm.models.deepseek_v4.nvidia import model
-    from vllm.platforms.interface import DeviceCapability
-
-    plugin.unregister()
-    os.environ["DSV4_KERNELS_FORCE"] = "1"
-    try:
-        plugin.register()
-        import vllm.models.deepseek_v4  # noqa: F401  (the import that activates it)
-    finally:
-        del os.environ["DSV4_KERNELS_FORCE"]
-    assert plugin.is_active()
-    saved = model.current_platform
-    model.current_platform = types.SimpleNamespace(
-        get_device_capability=lambda device_id=0: DeviceCapability(9, 0), is_cuda=lambda: True
-    )
-    try:
-        cls = model._select_dsv4_attn_cls(VllmConfig())
-    finally:
-        model.current_platform = saved
-    assert cls.__name__ == "Dsv4HeadExactFlashMLAAttention"
-    yield cls
-    plugin.unregister()
+    with hopper_attention_class() as cls:
+        assert cls.__name__ == "Dsv4HeadExactFlashMLAAttention"
+        yield cls
 
 
 class Model:

@@ -412,7 +412,7 @@ def test_grouped_rows_match_reference_and_per_token(
     if sm.group_rows(heads, group) <= sm.MAX_GROUP_ROWS:
         _no_expansion(monkeypatch)
     out, lse = _outputs(inp)
-    inp.run_grouped(out, lse, rows)
+    inp.run_paged(out, lse, rows)
     _written(out, lse)
     tokens = cs.check_tokens(out.shape[0], gpu)
     want = cs.reference_sample(inp, tokens)

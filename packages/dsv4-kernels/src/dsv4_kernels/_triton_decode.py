@@ -33,24 +33,9 @@ import triton
 import triton.language as tl
 
 from ._jit_layout import HEAD_DIM
-from ._triton_sparse_mla import _attend_source, _finish, _start_heads
+from ._triton_sparse_mla import SOURCE_RUNTIME_ARGS, _attend_source, _finish, _start_heads
 
-SPLIT_RUNTIME_ARGS = [
-    "num_tokens",
-    "num_heads",
-    "num_splits",
-    "chunk",
-    "a_idx_stride",
-    "a_width",
-    "a_row_stride",
-    "a_num_rows",
-    "b_idx_stride",
-    "b_width",
-    "b_row_stride",
-    "b_num_rows",
-    "q_stride_t",
-    "q_stride_h",
-]
+SPLIT_RUNTIME_ARGS = [*SOURCE_RUNTIME_ARGS, "num_splits", "chunk"]
 
 
 @triton.jit

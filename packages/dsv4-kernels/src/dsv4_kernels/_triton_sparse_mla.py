@@ -46,7 +46,9 @@ from ._triton_sparse_mla_asm import E4M3_ASM
 
 # Run-time sizes that must not be specialised on value: a new layer, batch or
 # cache size must not compile a new kernel.
-RUNTIME_ARGS = [
+# ``SOURCE_RUNTIME_ARGS``: those of the two key sources and q, which the decode's split
+# kernels share.
+SOURCE_RUNTIME_ARGS = [
     "num_tokens",
     "num_heads",
     "a_idx_stride",
@@ -59,10 +61,8 @@ RUNTIME_ARGS = [
     "b_num_rows",
     "q_stride_t",
     "q_stride_h",
-    "out_stride_t",
-    "out_stride_h",
-    "lse_stride_t",
 ]
+RUNTIME_ARGS = [*SOURCE_RUNTIME_ARGS, "out_stride_t", "out_stride_h", "lse_stride_t"]
 
 
 @triton.jit

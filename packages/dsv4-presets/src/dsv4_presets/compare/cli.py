@@ -8,7 +8,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -83,41 +83,35 @@ _DEADLINES = (
 )
 
 
-def _positive_float(text: str) -> float:
+def _parsed(text: str, cast: Callable[[str], Any], ok: Callable[[Any], bool], kind: str,
+            bad: str) -> Any:  # fmt: skip
+    """``cast(text)`` when it parses (else "expected ``kind``") and ``ok`` holds (else
+    "expected ``bad``"), as the one-line error argparse prints with the flag's name."""
     try:
-        value = float(text)
+        value = cast(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {bad}, got {text!r}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    return _parsed(text, float, lambda v: v > 0 and not math.isinf(v), "a number of seconds",
+                   "a positive number")  # fmt: skip
 
 
 def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+    return _parsed(text, int, lambda v: v >= 0, "an integer", "an integer >= 0")
 
 
 def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return _parsed(text, int, lambda v: v > 0, "an integer", "a positive integer")
 
 
 def _confidence(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {text!r}") from None
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1) such as 0.95, got {text!r}")
-    return value
+    return _parsed(text, float, lambda v: 0.0 < v < 1.0, "a number in (0, 1)",
+                   "a number in (0, 1) such as 0.95")  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
