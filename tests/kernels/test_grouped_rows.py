@@ -34,10 +34,15 @@ QUERY_LENS = {
 }
 
 
-def _grouped(case: Case, group: int, device: torch.device, impl: str) -> Any:
+def _grouped(case: Case, group: int, device: torch.device, impl: str, **outs: Any) -> Any:
+    """The case's grouped rows, from the kernel (``impl`` "triton") or the reference, into
+    the ``*_out`` buffers given."""
     c = case.to(device)
     comp = case.ratio == 128
-    kw: dict[str, Any] = dict(
+    fn = dk.build_grouped_prefill_indices if impl == "triton" else ref.build_grouped_prefill_indices
+    return fn(
+        c.query_start_loc,
+        c.seq_lens,
         num_tokens=case.num_tokens,
         group_size=group,
         window_block_table=c.window_table,
@@ -46,9 +51,8 @@ def _grouped(case: Case, group: int, device: torch.device, impl: str) -> Any:
         comp_block_table=c.comp_table if comp else None,
         comp_block_size=case.comp_bs if comp else None,
         topk=case.topk if comp else None,
+        **outs,
     )
-    fn = dk.build_grouped_prefill_indices if impl == "triton" else ref.build_grouped_prefill_indices
-    return fn(c.query_start_loc, c.seq_lens, **kw)
 
 
 def _leads_spec(case: Case, group: int) -> torch.Tensor:
@@ -245,19 +249,7 @@ def test_grouped_rows_into_given_outputs(
     if comp:
         outs["comp_out"] = torch.full((T + extra, case.topk), -77, dtype=torch.int32)
         outs["comp_lens_out"] = torch.full((T + extra,), -77, dtype=torch.int32)
-    got = dk.build_grouped_prefill_indices(
-        case.query_start_loc,
-        case.seq_lens,
-        num_tokens=T,
-        group_size=group,
-        window_block_table=case.window_table,
-        window_block_size=WINDOW_BS,
-        window_size=WINDOW,
-        comp_block_table=case.comp_table if comp else None,
-        comp_block_size=case.comp_bs if comp else None,
-        topk=case.topk if comp else None,
-        **outs,
-    )
+    got = _grouped(case, group, torch.device("cpu"), "triton", **outs)
     pairs = [
         ("leads_out", got.leads, want.leads),
         ("window_lens_out", got.window_lens, want.window_lens),
