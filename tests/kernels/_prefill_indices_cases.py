@@ -10,12 +10,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
 import torch
 
 from dsv4_kernels.testing import generator
 
 WINDOW = 128
 WINDOW_BS = 64
+
+# Per-request query lengths of the chunks every prefill row builder (combine, index
+# rows, grouped rows) is tested on: one request, empty requests among others, empty
+# requests first, a long and a short one.
+QUERY_LENS = {
+    "single": [37],
+    "mixed-with-empty": [5, 0, 17, 1, 0, 9],
+    "leading-empty": [0, 0, 23],
+    "long-short": [130, 3],
+}
+over_query_lens = pytest.mark.parametrize(
+    "query_lens", list(QUERY_LENS.values()), ids=list(QUERY_LENS)
+)
 
 
 @dataclasses.dataclass

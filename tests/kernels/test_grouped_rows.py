@@ -24,14 +24,10 @@ from dsv4_kernels.testing import fresh_seed, generator
 from dsv4_kernels.testing import sparse_mla as ts
 from dsv4_kernels.testing.prefill_indices import make_prefill_index_case
 
-from ._prefill_indices_cases import WINDOW, WINDOW_BS, Case, make_case
+from ._prefill_indices_cases import QUERY_LENS, WINDOW, WINDOW_BS, Case, make_case
 
-QUERY_LENS = {
-    "single": [37],
-    "mixed-with-empty": [5, 0, 17, 1, 0, 9],
-    "short-requests": [1, 2, 1, 3, 1, 1, 2],
-    "long-short": [130, 3],
-}
+# the row builders' cases, and requests shorter than a group
+GROUPED_QUERY_LENS = {**QUERY_LENS, "short-requests": [1, 2, 1, 3, 1, 1, 2]}
 
 
 def _grouped(case: Case, group: int, device: torch.device, impl: str, **outs: Any) -> Any:
@@ -67,14 +63,14 @@ def _leads_spec(case: Case, group: int) -> torch.Tensor:
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 @pytest.mark.parametrize("group", [2, 3, 4, 8])
 @pytest.mark.parametrize("layer", ["swa", "c128a"])
-@pytest.mark.parametrize("lens", list(QUERY_LENS))
+@pytest.mark.parametrize("lens", list(GROUPED_QUERY_LENS))
 def test_grouped_rows_hold_each_tokens_keys(
     impl: str, group: int, layer: str, lens: str, kernel_device: torch.device
 ) -> None:
     ratio = 128 if layer == "c128a" else 1
     case = make_case(
         fresh_seed(),
-        query_lens=QUERY_LENS[lens],
+        query_lens=GROUPED_QUERY_LENS[lens],
         ratio=ratio,
         topk=6 if ratio == 128 else 0,
         context=(0, 900),

@@ -21,6 +21,7 @@ from dsv4_kernels import reference as ref
 from dsv4_kernels.testing import POISON, fresh_seed
 from dsv4_kernels.testing.metadata import Batch, make_batch, random_global_case
 
+from ._prefill_indices_cases import over_query_lens
 from .spec import combined_width, spec_combine, spec_global
 
 Combine = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -75,11 +76,7 @@ LAYERS = {
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("layer", list(LAYERS))
-@pytest.mark.parametrize(
-    "query_lens",
-    [[37], [5, 0, 17, 1, 0, 9], [0, 0, 23], [130, 3]],
-    ids=["single", "mixed-with-empty", "leading-empty", "long-short"],
-)
+@over_query_lens
 def test_combine_matches_spec(
     impl: str, layer: str, query_lens: list[int], kernel_device: torch.device
 ) -> None:

@@ -25,7 +25,7 @@ from dsv4_kernels import reference as ref
 from dsv4_kernels.testing import POISON, fresh_seed
 from dsv4_kernels.testing.prefill_indices import make_prefill_index_case
 
-from ._prefill_indices_cases import WINDOW, Case, make_case, spec_rows
+from ._prefill_indices_cases import WINDOW, Case, make_case, over_query_lens, spec_rows
 
 IMPLS: dict[str, Callable[..., dk.PrefillIndices]] = {
     "triton": dk.build_prefill_indices,
@@ -98,11 +98,7 @@ def run_and_check(
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("parts", list(PARTS))
-@pytest.mark.parametrize(
-    "query_lens",
-    [[37], [5, 0, 17, 1, 0, 9], [0, 0, 23], [130, 3]],
-    ids=["single", "mixed-with-empty", "leading-empty", "long-short"],
-)
+@over_query_lens
 def test_rows_match_spec(
     impl: str, parts: str, query_lens: list[int], kernel_device: torch.device
 ) -> None:
