@@ -108,13 +108,16 @@ def _attend(
     q: torch.Tensor,
     rows: Any,
     *,
+    swa_cache: torch.Tensor,
+    scale: float,
     comp_cache: torch.Tensor | None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """Sparse MLA (``attention``: the kernel or its reference) over a layer's rows."""
+    """Sparse MLA (``attention``: the kernel or its reference) over a layer's rows; the
+    rest of ``attention``'s keywords (block sizes, sink, out, lse, grouping) pass through."""
     assert rows.window is not None
     result, _ = attention(
-        q, kwargs.pop("swa_cache"), rows.window, rows.window_lens, kwargs.pop("scale"),
+        q, swa_cache, rows.window, rows.window_lens, scale,
         comp_cache=comp_cache, comp_indices=rows.comp, comp_lens=rows.comp_lens, **kwargs,
     )  # fmt: skip
     return result
