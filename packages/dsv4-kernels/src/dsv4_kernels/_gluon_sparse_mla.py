@@ -290,8 +290,8 @@ def _rows(first, end, num_heads, HP: gl.constexpr, HT: gl.constexpr, layout: gl.
 @gluon.jit
 def _shared_buffers(HP: gl.constexpr):
     """A program's shared memory: the key tile ``K [BN, 512]``, ``q [HP, 512]`` and ``P^T
-    [HP, BN]``.  Shared by this kernel and the decode's split kernel (:mod:`._gluon_decode`),
-    which allocate them first (the order the measured kernels were built in)."""
+    [HP, BN]``.  Shared by this kernel and the decode's split kernel
+    (:mod:`._gluon_decode`), which allocate them before anything else."""
     k_smem = gl.allocate_shared_memory(
         gl.bfloat16,
         [1, BN, HEAD_DIM],
