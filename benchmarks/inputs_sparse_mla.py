@@ -101,7 +101,7 @@ class AttnInputs:
         if self.comp_cache is not None:
             kw.update(comp_indices=r.comp, comp_lens=r.comp_lens)
         if isinstance(r, dk.GroupedPrefillIndices):
-            kw.update(leads=r.leads, group_size=r.group_size, swa_starts=r.window_starts)
+            kw.update(r.grouping())
         dk.sparse_mla_paged(
             self.q,
             self.swa_cache,

@@ -95,8 +95,8 @@ def main() -> None:
                               comp_lens=gr.comp_lens,
                               comp_block_size=inp.comp_block_size)  # fmt: skip
                 dk.sparse_mla_paged(
-                    inp.q, inp.swa_cache, gr.window, gr.window_lens, SCALE, leads=gr.leads,
-                    group_size=size, swa_starts=gr.window_starts, tiles=tiles, **kw,
+                    inp.q, inp.swa_cache, gr.window, gr.window_lens, SCALE, tiles=tiles,
+                    **gr.grouping(), **kw,
                 )  # fmt: skip
 
             gr = build()

@@ -201,7 +201,7 @@ def forward_prefill(
     )
     grouped: dict[str, Any] = {}
     if isinstance(rows, dk.GroupedPrefillIndices):
-        grouped = dict(leads=rows.leads, group_size=rows.group_size, swa_starts=rows.window_starts)
+        grouped = rows.grouping()
     if lse is None and plan.scratch is not None:
         lse = plan.scratch.take("lse", (T, q.shape[1]))
     return _attend(

@@ -8,7 +8,7 @@ public wrapper's job: call this through ``dsv4_kernels`` for checked inputs.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -152,6 +152,11 @@ class GroupedPrefillIndices(NamedTuple):
     window_lens: torch.Tensor | None
     comp: torch.Tensor | None
     comp_lens: torch.Tensor | None
+
+    def grouping(self) -> dict[str, Any]:
+        """The keywords :func:`dsv4_kernels.sparse_mla_paged` takes for these rows'
+        groups: ``leads``, ``group_size`` and ``swa_starts`` (``comp_starts`` are 0)."""
+        return dict(leads=self.leads, group_size=self.group_size, swa_starts=self.window_starts)
 
 
 def build_grouped_prefill_indices(
