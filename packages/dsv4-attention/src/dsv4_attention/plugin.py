@@ -1,31 +1,37 @@
-"""vLLM general plugin: put dsv4-kernels and the head-exact prefill into vLLM's DSV4 path.
+"""vLLM general plugin: put dsv4-kernels and the head-exact paths into vLLM's DSV4 path.
 
 vLLM runs :func:`register` (entry point group ``vllm.general_plugins``) in
 every process it starts, before any model is built and whatever model is
 served, and does not catch what a plugin raises.  So :func:`register` is cheap
-and cannot fail:
+and cannot fail, and nothing changes in a process that does not build a
+DeepSeek-V4 model:
 
-* it reads two environment switches and vLLM's version, and otherwise only
-  installs an import hook.  Nothing of vLLM's DSV4 code is imported or changed
-  until ``vllm.models.deepseek_v4`` is first imported by vLLM itself; a process
-  serving another model never pays for it;
-* when that package has been imported, the plugin builds the whole set of
-  changes for the platform (``vllm_targets``), checking the signature of every
-  function it replaces and that every module which imported one by name holds
-  vLLM's function.  Only if every check passes does it apply all changes; on
-  an unknown vLLM version, a changed signature or any exception it changes
-  nothing and logs one warning saying why.  It never half-patches;
-* it logs through vLLM's logger, so its one line per process shows in
-  ``vllm serve``'s output:
-  ``dsv4-attention <version>: active on vLLM <version> (<platform>); replaced: ...``
-  or ``dsv4-attention <version>: inactive on vLLM <version>: <reason>``.
+* :func:`register` reads the environment switches and vLLM's version, and
+  otherwise installs an import hook;
+* vLLM's CUDA model runners import ``vllm.models.deepseek_v4`` in every worker
+  (their EPLB helpers do), whatever the model.  When that import happens, the
+  plugin checks the signatures of everything it may replace and then wraps only
+  ``_select_dsv4_attn_cls``, which vLLM calls only when it builds a DeepSeek-V4
+  attention layer, with a pass-through; where vLLM's current config already
+  names another model, it installs nothing and logs ``not active``;
+* the first call of that selector is the start-up decision: the served
+  configuration is read once (``dsv4_attention.facts``), the GPU's measured
+  table is looked up (``dsv4_attention.tables``; a GPU family never measured
+  gets nothing replaced), one :class:`~dsv4_attention.runtime.HeadExactRuntime`
+  is built, the ops replacements are applied, and one line says what was
+  replaced for which model:
+  ``dsv4-attention <version>: active for DeepseekV4ForCausalLM on vLLM <version> (...)``;
+  each layer kind then logs its own decision in vLLM's profile run.  Any
+  failure there replaces nothing and logs ``not active`` with the reason.
+  DeepSeek-V4.1 (its own selector) is never touched.
 
 Switches: ``DSV4_KERNELS_DISABLE=1`` turns the whole plugin off (the A/B
-switch ``dsv4 compare`` uses); ``DSV4_PREFILL_DISABLE=1`` keeps vLLM's own
-sparse-MLA prefill while still replacing the metadata kernels;
-``DSV4_KERNELS_FORCE=1`` applies the CUDA set on other platforms (tests on
-vLLM's CPU build; our functions run their torch references on CPU tensors).
-Everything is reversible with :func:`unregister`.
+switch ``dsv4 compare`` uses); ``DSV4_PREFILL_DISABLE=1`` / ``DSV4_DECODE_DISABLE=1``
+keep vLLM's own prefill / decode; ``DSV4_PREFILL_MAX_HEADS=N`` overrides the
+measured head limit of the prefill; ``DSV4_KERNELS_FORCE=1`` decides as on the
+H200 on other platforms (tests on vLLM's CPU build; our functions run their
+torch references on CPU tensors).  Everything is reversible with
+:func:`unregister`.  Design: ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -67,7 +73,18 @@ class _Refused(Exception):
 
 
 _APPLIED: list[_Patch] = []
-_STATE: dict[str, Any] = {"hook": None, "decided": False, "facts": None}
+# The plugin's one record in this process (vLLM's loader calls module functions):
+# the import hook, the selector trigger, whether the start-up decision was made,
+# the release facts, and what the decision built (the runtime object and our class).
+_STATE: dict[str, Any] = {
+    "hook": None,
+    "trigger": None,
+    "decided": False,
+    "facts": None,
+    "runtime": None,
+    "cls": None,
+}
+ENV_STARTUP_PLAN = "VLLM_ENABLE_STARTUP_PLAN"
 
 
 def _facts() -> targets.ReleaseFacts:
@@ -166,6 +183,14 @@ def _remove_hook() -> None:
 
 # --- deciding and patching --------------------------------------------------------
 
+# Architectures the plugin acts on (vLLM's registry names of DeepSeek-V4 and its
+# drafter); DeepSeek-V4.1 (``DeepseekV41...``) has its own attention and is left alone.
+V4_ARCHITECTURES = (
+    "DeepseekV4ForCausalLM",
+    "DeepseekV4ForConditionalGeneration",
+    "DeepSeekV4MTPModel",
+)
+
 
 def _check_signature(function: Any, name: str) -> None:
     expected = _facts().signatures[name]
@@ -180,12 +205,15 @@ def _check_signature(function: Any, name: str) -> None:
         )
 
 
-def _platform() -> tuple[str, bool]:
-    from vllm.platforms import current_platform
-
-    return str(getattr(current_platform, "device_name", "unknown")), bool(
-        current_platform.is_cuda()
-    )
+def _served_architectures() -> tuple[str, ...]:
+    """The architectures of vLLM's current config where one is set (empty otherwise)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except Exception:
+        return ()
+    config = get_current_vllm_config_or_none()
+    model = getattr(config, "model_config", None)
+    return tuple(getattr(model, "architectures", None) or ())
 
 
 def _gather_replaced() -> bool:
@@ -197,14 +225,9 @@ def _gather_replaced() -> bool:
     )
 
 
-def _plan() -> tuple[list[_Patch], str]:
-    """Every change for this process, checked; raises _Inactive or _Refused instead."""
-    platform, is_cuda = _platform()
-    if not is_cuda and not _flag(ENV_FORCE):
-        raise _Inactive(
-            f"platform {platform}: nothing here is measured faster than vLLM's own "
-            f"kernels there (set {ENV_FORCE}=1 to apply the CUDA set)"
-        )
+def _ops_patches() -> tuple[list[_Patch], list[str]]:
+    """The ops replacements (checked: signatures, and every module that imported one by
+    name holds vLLM's function)."""
     ops = importlib.import_module(targets.OPS_MODULE)
     names = list(targets.CUDA_OPS)
     if _gather_replaced():
@@ -224,61 +247,11 @@ def _plan() -> tuple[list[_Patch], str]:
             if getattr(consumer, name, None) is not original:
                 raise _Refused(f"{consumer_name}.{name} is not vLLM's {name}")
             patches.append(_Patch(consumer, name, original, ours[name]))
-    labels = list(names)
-    from .vllm_backend import (
-        C4A_SHORT_ROWS_MEAN_KEYS,
-        ENV_DECODE_DISABLE,
-        ENV_MAX_HEADS,
-        decode_enabled,
-        max_heads,
-        short_rows_max_heads,
-    )
-
-    heads, shared_heads, short_heads = max_heads(4), max_heads(1), short_rows_max_heads()
-    prefill_on = not _flag(ENV_PREFILL_DISABLE) and max(heads, shared_heads) > 0
-    decode_on = decode_enabled()
-    notes = []
-    if _flag(ENV_PREFILL_DISABLE):
-        notes.append(f"prefill stays vLLM's ({ENV_PREFILL_DISABLE}=1)")
-    elif not prefill_on:
-        notes.append(
-            "prefill stays vLLM's (its FlashMLA prefill is measured faster on this GPU; "
-            f"{ENV_MAX_HEADS}=N enables the head-exact prefill up to N local heads)"
-        )
-    else:
-        c4a = f"up to {heads} local heads"
-        if short_heads > heads:
-            c4a += (
-                f", or {short_heads} in steps whose rows average at most "
-                f"{C4A_SHORT_ROWS_MEAN_KEYS} valid keys per token"
-            )
-        limit = (
-            f"up to {heads} local heads"
-            if heads == shared_heads and short_heads <= heads
-            else f"on C4A layers {c4a}; on SWA-only and C128A layers up to {shared_heads}"
-        )
-        labels.append(f"DeepseekV4FlashMLAAttention._forward_prefill (head-exact prefill {limit})")
-    if decode_on:
-        labels.append(
-            "DeepseekV4FlashMLAAttention._forward_decode (head-exact decode up to 16 local "
-            "heads at the step sizes measured faster, dsv4_attention.decode_table)"
-        )
-    elif _flag(ENV_DECODE_DISABLE):
-        notes.append(f"decode stays vLLM's ({ENV_DECODE_DISABLE}=1)")
-    else:
-        notes.append("decode stays vLLM's (the head-exact decode is measured on Hopper only)")
-    if prefill_on or decode_on:
-        patches.append(_attention_patch())
-        labels.append("scratch reserved and kernels compiled in vLLM's profile run")
-    prefill = "; ".join(notes)
-    summary = f"({platform}); replaced: {', '.join(labels)}"
-    return patches, f"{summary}; {prefill}" if prefill else summary
+    return patches, names
 
 
-def _attention_patch() -> _Patch:
-    """``_select_dsv4_attn_cls`` returns our subclass where vLLM picks FlashMLA."""
-    from .vllm_backend import make_head_exact_attention_cls
-
+def _vllm_classes() -> tuple[ModuleType, Any, type]:
+    """vLLM's model module, its selector and its FlashMLA class, signatures checked."""
     model = importlib.import_module(targets.MODEL_MODULE)
     flashmla = importlib.import_module(targets.FLASHMLA_MODULE)
     select = getattr(model, "_select_dsv4_attn_cls", None)
@@ -286,23 +259,15 @@ def _attention_patch() -> _Patch:
     if not callable(select) or not isinstance(base, type):
         raise _Refused("vLLM's DSV4 attention selector or FlashMLA attention class is missing")
     _check_signature(select, "_select_dsv4_attn_cls")
-    _check_signature(getattr(base, "_forward_prefill", None), "_forward_prefill")
-    _check_signature(getattr(base, "forward_mqa", None), "forward_mqa")
-    _check_signature(getattr(base, "_forward_decode", None), "_forward_decode")
-    _configure_backend()
-    ours = make_head_exact_attention_cls(base)
-
-    def _select_dsv4_attn_cls(vllm_config: Any) -> type:
-        chosen = select(vllm_config)
-        return ours if chosen is base else chosen
-
-    _select_dsv4_attn_cls.__wrapped__ = select  # type: ignore[attr-defined]
-    return _Patch(model, "_select_dsv4_attn_cls", select, _select_dsv4_attn_cls)
+    for name in ("_forward_prefill", "forward_mqa", "_forward_decode"):
+        _check_signature(getattr(base, name, None), name)
+    return model, select, base
 
 
-def _configure_backend() -> None:
-    """Point the backend at vLLM's forward context, workspace manager and log."""
-    from .vllm_backend import configure_runtime
+def _access() -> Any:
+    """How the runtime reaches vLLM: its forward context, workspace manager, logger,
+    dual-batch state (modules named by the release's facts)."""
+    from .runtime import VllmAccess
 
     facts = _facts()
     context = importlib.import_module(facts.forward_context_module)
@@ -328,36 +293,126 @@ def _configure_backend() -> None:
             else None
         )
 
-    configure_runtime(
+    log = _logger()
+    return VllmAccess(
         forward_context=forward_context,
         workspace=manager,
-        log=_logger().info,
+        info=log.info,
+        warning=log.warning,
         dual_batch=ubatching.dbo_enabled,
     )
 
 
-def _activate_safely() -> None:
-    """Decide once for this process; any failure leaves vLLM exactly as it was."""
-    if _STATE["decided"]:
-        return
+def _device(force: bool) -> Any:
+    """The GPU as vLLM's platform reports it (NVML: no CUDA context is needed)."""
+    from vllm.platforms import current_platform
+
+    from .policy import Device
+
+    if not current_platform.is_cuda():
+        if force:
+            return Device("NVIDIA H200 (forced)", (9, 0), wgmma=True, forced=True)
+        name = getattr(current_platform, "device_name", "unknown")
+        raise _Inactive(f"platform {name}: nothing is measured faster than vLLM's kernels there")
+    capability = current_platform.get_device_capability()
+    cap = None if capability is None else (int(capability.major), int(capability.minor))
+    name = str(current_platform.get_device_name())
+    wgmma = False
+    if cap is not None and cap[0] == 9:
+        from dsv4_kernels.sparse_mla import wgmma_available
+
+        wgmma = bool(wgmma_available())
+    return Device(name, cap, wgmma=wgmma)
+
+
+def _activate(vllm_config: Any, base: type) -> None:
+    """The start-up decision (first call of vLLM's selector); never raises."""
+    _STATE["decided"] = True
     try:
-        patches, summary = _plan()
+        from . import tables
+        from .facts import read_serving_config
+        from .policy import Switches
+        from .runtime import HeadExactRuntime, make_attention_cls
+
+        switches = Switches.read()
+        serving = read_serving_config(vllm_config)
+        if serving.architectures and not set(serving.architectures) & set(V4_ARCHITECTURES):
+            raise _Inactive(
+                f"the model is {serving.model_text}; dsv4-attention acts on DeepSeek-V4 only"
+            )
+        device = _device(switches.force)
+        table = tables.table_for(device.name, device.capability)
+        if table is None and device.forced:
+            table = tables.table_for("NVIDIA H200", (9, 0))
+        if table is None:
+            measured = ", ".join(sorted({t.device_name for t in tables.all_tables().values()}))
+            raise _Inactive(
+                f"{device.name} ({tables.family_of(device.capability)}) has no measured table "
+                f"(measured: {measured}); vLLM's kernels run unchanged"
+            )
+        access = _access()
+        runtime = HeadExactRuntime(serving, device, table, switches, access)
+        patches, names = _ops_patches() if table.combine else ([], [])
+        cls = make_attention_cls(base, runtime)
     except _Inactive as reason:
         _say_inactive(str(reason), warning=False)
         return
     except _Refused as reason:
-        _say_inactive(f"{reason}; nothing patched", warning=True)
+        _say_inactive(f"{reason}; nothing replaced", warning=True)
         return
     except Exception as exc:  # never let the plugin stop vLLM
-        _say_inactive(f"unexpected {type(exc).__name__}: {exc}; nothing patched", warning=True)
+        _say_inactive(f"unexpected {type(exc).__name__}: {exc}; nothing replaced", warning=True)
         return
     for patch in patches:
         setattr(patch.module, patch.name, patch.replacement)
     _APPLIED.extend(patches)
-    _STATE["decided"] = True
+    _STATE.update(runtime=runtime, cls=cls)
+    replaced = [*names, "DeepseekV4FlashMLAAttention (head-exact prefill and decode per layer kind)"]
     _logger().info(
-        "dsv4-attention %s: active on vLLM %s %s", _our_version(), _vllm_version(), summary
+        "dsv4-attention %s: active for %s on vLLM %s (%s, table %s); replaced: %s",
+        _our_version(),
+        serving.model_text,
+        _vllm_version(),
+        device.name,
+        table.device_name,
+        ", ".join(replaced),
     )
+
+
+def _install_trigger() -> None:
+    """At the import of vLLM's DSV4 package: leave a process serving another model
+    alone; otherwise wrap the selector with the start-up trigger (checked first)."""
+    served = _served_architectures()
+    if served and not set(served) & set(V4_ARCHITECTURES):
+        raise _Inactive(
+            f"the model is {'/'.join(served)}; dsv4-attention acts on DeepSeek-V4 only"
+        )
+    model, select, base = _vllm_classes()
+
+    def _select_dsv4_attn_cls(vllm_config: Any) -> type:
+        chosen = select(vllm_config)
+        if not _STATE["decided"]:
+            _activate(vllm_config, base)
+        cls = _STATE["cls"]
+        return cls if cls is not None and chosen is base else chosen
+
+    _select_dsv4_attn_cls.__wrapped__ = select  # type: ignore[attr-defined]
+    setattr(model, "_select_dsv4_attn_cls", _select_dsv4_attn_cls)
+    _STATE["trigger"] = _Patch(model, "_select_dsv4_attn_cls", select, _select_dsv4_attn_cls)
+
+
+def _activate_safely() -> None:
+    """At the import of vLLM's DSV4 package; any failure leaves vLLM exactly as it was."""
+    if _STATE["decided"] or _STATE["trigger"] is not None:
+        return
+    try:
+        _install_trigger()
+    except _Inactive as reason:
+        _say_inactive(str(reason), warning=False)
+    except _Refused as reason:
+        _say_inactive(f"{reason}; nothing replaced", warning=True)
+    except Exception as exc:  # never let the plugin stop vLLM
+        _say_inactive(f"unexpected {type(exc).__name__}: {exc}; nothing replaced", warning=True)
 
 
 # --- public API ---------------------------------------------------------------------
@@ -376,7 +431,14 @@ def register() -> None:
         if _STATE["facts"] is None:
             _say_inactive(
                 f"unsupported vLLM version {version} (supported: {targets.supported_text()}); "
-                "nothing patched",
+                "nothing replaced",
+                warning=True,
+            )
+            return
+        if os.environ.get(ENV_STARTUP_PLAN, "0").strip() not in ("", "0"):
+            _say_inactive(
+                f"{ENV_STARTUP_PLAN} is set: vLLM would replay a saved memory profile that did "
+                "not count the plugin's scratch; unset it to use dsv4-attention",
                 warning=True,
             )
             return
@@ -389,7 +451,7 @@ def register() -> None:
     except Exception as exc:  # never let the plugin stop vLLM
         _remove_hook()
         try:
-            _say_inactive(f"unexpected {type(exc).__name__}: {exc}; nothing patched", warning=True)
+            _say_inactive(f"unexpected {type(exc).__name__}: {exc}; nothing replaced", warning=True)
         except Exception:
             logging.getLogger(LOGGER_NAME).warning("dsv4-attention: inactive (%s)", exc)
 
@@ -401,8 +463,10 @@ def unregister() -> None:
         if getattr(patch.module, patch.name, None) is patch.replacement:
             setattr(patch.module, patch.name, patch.original)
     _APPLIED.clear()
-    _STATE["decided"] = False
-    _STATE["facts"] = None
+    trigger = _STATE["trigger"]
+    if trigger is not None and getattr(trigger.module, trigger.name, None) is trigger.replacement:
+        setattr(trigger.module, trigger.name, trigger.original)
+    _STATE.update(trigger=None, decided=False, facts=None, runtime=None, cls=None)
 
 
 def patched() -> list[str]:
@@ -415,5 +479,18 @@ def patched() -> list[str]:
 
 
 def is_active() -> bool:
-    """Whether this process runs with the plugin's replacements in place."""
-    return bool(patched())
+    """Whether this process made the start-up decision for a DeepSeek-V4 model and runs
+    the plugin's runtime (its replacements in place)."""
+    return _STATE["runtime"] is not None
+
+
+def runtime() -> Any:
+    """This process's :class:`~dsv4_attention.runtime.HeadExactRuntime` (None before a
+    DeepSeek-V4 model was built, or when the plugin is not active)."""
+    return _STATE["runtime"]
+
+
+def waiting() -> bool:
+    """Whether the selector trigger is installed and no decision was made yet (a process
+    that imported vLLM's DSV4 package without building a DSV4 model)."""
+    return _STATE["trigger"] is not None and not _STATE["decided"]

@@ -61,8 +61,25 @@ def _table(per_page: int, device: torch.device) -> torch.Tensor:
     return table.to(device)
 
 
+def _query_lens(max_tokens: int | None) -> tuple[tuple[int, ...], ...]:
+    """The warm-up's chunks that fit the token budget (shrunk when none does)."""
+    if max_tokens is None:
+        return _QUERY_LENS
+    fits = tuple(q for q in _QUERY_LENS if sum(q) <= max_tokens)
+    if fits:
+        return fits
+    if max_tokens < 2:
+        return ((max_tokens, 0),) if max_tokens == 1 else ()
+    return ((max_tokens - 1, 1),)
+
+
 def warm_up_prefill(
-    device: torch.device | str, heads: int, compress_ratio: int, topk: int = 512
+    device: torch.device | str,
+    heads: int,
+    compress_ratio: int,
+    topk: int = 512,
+    *,
+    max_tokens: int | None = None,
 ) -> float:
     """Run one layer's head-exact prefill on a tiny batch; seconds it took (the compile).
 
@@ -71,6 +88,7 @@ def warm_up_prefill(
         heads: the layer's local query heads.
         compress_ratio: 1 (SWA-only), 4 (C4A) or 128 (C128A).
         topk: C4A: the indexer's top-k width (the layer's top-k buffer's).
+        max_tokens: the token budget of a step; the warm-up stays within it.
     """
     device = torch.device(device)
     began = time.perf_counter()
@@ -83,7 +101,7 @@ def warm_up_prefill(
             "comp_block_table": _table(KV_BLOCK_SIZE, device),
             "comp_block_size": per_page,
         }
-    for query_lens in _QUERY_LENS:
+    for query_lens in _query_lens(max_tokens):
         tokens = sum(query_lens)
         qsl = torch.tensor([0, query_lens[0], tokens], dtype=torch.int32, device=device)
         seq = torch.tensor(_SEQ_LENS, dtype=torch.int32, device=device)
@@ -111,7 +129,14 @@ def warm_up_prefill(
 
 
 def warm_up_decode(
-    device: torch.device | str, heads: int, compress_ratio: int, max_keys: int, scratch: object
+    device: torch.device | str,
+    heads: int,
+    compress_ratio: int,
+    max_keys: int,
+    scratch: object,
+    *,
+    tokens: tuple[int, ...] = _DECODE_TOKENS,
+    window_width: int = 128,
 ) -> float:
     """Run one layer's head-exact decode on a few batch sizes; seconds it took.
 
@@ -121,32 +146,35 @@ def warm_up_decode(
         compress_ratio: 1, 4 or 128.
         max_keys: most columns per token (window + compressed width).
         scratch: the decode scratch the real calls use (its views are reused).
+        tokens: the step sizes to run (within the scratch's token budget).
+        window_width: the window rows' width (DSpark's drafter rows are wider than 128).
     """
     from .decode import forward_decode
 
     device = torch.device(device)
     began = time.perf_counter()
     swa_cache = _cache(4, SWA_BLOCK_SIZE, device)
-    width = max(0, max_keys - 128)
+    width = max(0, max_keys - window_width)
     comp_cache = None
     if compress_ratio > 1:
         comp_cache = _cache(4, slots_per_page(compress_ratio), device)
-    for tokens in _DECODE_TOKENS:
-        window = torch.arange(128, dtype=torch.int32, device=device).repeat(tokens, 1)
-        lens = torch.full((tokens,), 128, dtype=torch.int32, device=device)
+    for n in tokens:
+        window = torch.full((n, window_width), -1, dtype=torch.int32, device=device)
+        window[:, :128] = torch.arange(128, dtype=torch.int32, device=device)
+        lens = torch.full((n,), 128, dtype=torch.int32, device=device)
         comp: dict[str, object] = {}
         if comp_cache is not None:
             entries = comp_cache.shape[0] * comp_cache.shape[1]
-            rows = torch.full((tokens, width), -1, dtype=torch.int32, device=device)
+            rows = torch.full((n, width), -1, dtype=torch.int32, device=device)
             rows[:, : min(width, entries)] = torch.arange(min(width, entries), device=device)
             comp = {
                 "comp_cache": comp_cache,
                 "comp_indices": rows,
                 "comp_lens": torch.full(
-                    (tokens,), min(width, entries), dtype=torch.int32, device=device
+                    (n,), min(width, entries), dtype=torch.int32, device=device
                 ),
             }
-        q = torch.zeros((tokens, heads, HEAD_DIM), dtype=torch.bfloat16, device=device)
+        q = torch.zeros((n, heads, HEAD_DIM), dtype=torch.bfloat16, device=device)
         forward_decode(
             q,
             swa_cache,

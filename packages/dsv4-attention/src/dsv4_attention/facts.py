@@ -1,0 +1,186 @@
+"""What the plugin knows of the served configuration and of each layer: read once, typed.
+
+:class:`ServingConfig` is read from vLLM's ``VllmConfig`` once, when vLLM first
+builds a DeepSeek-V4 attention layer; :class:`LayerFacts` once per layer, from
+the layer and the serving config.  Every later decision (``policy``) and every
+size (``runtime``) is a function of these values: nothing re-reads vLLM's
+objects for a fact it already has.
+
+Nothing here imports vLLM at module level; :func:`read_serving_config` calls
+vLLM's own helpers (``get_dspark_swa_index_width``, ``max_decode_query_len``)
+where they exist, so a width vLLM computes is never re-derived here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from dsv4_kernels.geometry import KV_BLOCK_SIZE, WINDOW_SIZE, slots_per_page
+
+__all__ = ["C128A_WIDTH_ALIGNMENT", "LayerFacts", "ServingConfig", "read_serving_config"]
+
+# vLLM rounds its C128A row width up to a multiple of this (``_C128A_TOPK_ALIGNMENT``)
+C128A_WIDTH_ALIGNMENT = 128
+KINDS = {1: "swa", 4: "c4a", 128: "c128a"}
+KIND_TEXT = {"swa": "SWA-only", "c4a": "C4A", "c128a": "C128A"}
+
+
+def c128a_width(max_model_len: int) -> int:
+    """vLLM's widest C128A row: one entry per 128 tokens, rounded up to its alignment."""
+    entries = -(-int(max_model_len) // 128)
+    return -(-entries // C128A_WIDTH_ALIGNMENT) * C128A_WIDTH_ALIGNMENT
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """The served configuration, as far as DSV4 attention is concerned.
+
+    Attributes:
+        architectures: the model's architectures (``DeepseekV4ForCausalLM``).
+        max_num_batched_tokens: the token budget of one step (None: not known).
+        max_model_len: the longest context (None: not known).
+        spec_method: ``"mtp"``, ``"dspark"``, another method, or None.
+        num_speculative_tokens: k of the drafter (0 without one).
+        decode_window_width: the widest window row of vLLM's decode metadata: the
+            window, or DSpark's non-causal width ``round_up(window + k, 64)``.
+        max_decode_query_len: tokens of the widest request vLLM treats as a decode.
+        cudagraph_mode: vLLM's CUDA-graph mode by name (``FULL_AND_PIECEWISE``...).
+        dbo: whether dual-batch overlap is enabled.
+    """
+
+    architectures: tuple[str, ...] = ()
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    spec_method: str | None = None
+    num_speculative_tokens: int = 0
+    decode_window_width: int = WINDOW_SIZE
+    max_decode_query_len: int = 1
+    cudagraph_mode: str = "NONE"
+    dbo: bool = False
+
+    @property
+    def model_text(self) -> str:
+        return "/".join(self.architectures) or "a DeepSeek-V4 model"
+
+
+def _get(obj: Any, *path: str, default: Any = None) -> Any:
+    for name in path:
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return default
+    return obj
+
+
+def read_serving_config(vllm_config: Any) -> ServingConfig:
+    """The :class:`ServingConfig` of vLLM's ``VllmConfig`` (fields vLLM has not set stay
+    unknown; an unknown field is never guessed)."""
+    model = _get(vllm_config, "model_config")
+    hf = _get(model, "hf_config")
+    window = int(_get(hf, "sliding_window", default=WINDOW_SIZE) or WINDOW_SIZE)
+    spec = _get(vllm_config, "speculative_config")
+    k = int(_get(spec, "num_speculative_tokens", default=0) or 0)
+    method = _get(spec, "method")
+    use_dspark = getattr(spec, "use_dspark", None)
+    is_dspark = bool(use_dspark()) if callable(use_dspark) else method == "dspark"
+    width = window
+    if is_dspark:
+        utils = importlib.import_module("vllm.v1.attention.backends.mla.compressor_utils")
+        width = max(window, int(utils.get_dspark_swa_index_width(window, k)))
+    decode_len = 1 + k
+    if vllm_config is not None and spec is not None:
+        backend = importlib.import_module("vllm.v1.attention.backend")
+        decode_len = int(backend.max_decode_query_len(vllm_config))
+    mode = _get(vllm_config, "compilation_config", "cudagraph_mode")
+    tokens = _get(vllm_config, "scheduler_config", "max_num_batched_tokens")
+    length = _get(model, "max_model_len")
+    return ServingConfig(
+        architectures=tuple(_get(model, "architectures", default=()) or ()),
+        max_num_batched_tokens=None if tokens is None else int(tokens),
+        max_model_len=None if length is None else int(length),
+        spec_method=None if spec is None else ("dspark" if is_dspark else str(method)),
+        num_speculative_tokens=k,
+        decode_window_width=width,
+        max_decode_query_len=decode_len,
+        cudagraph_mode="NONE" if mode is None else str(getattr(mode, "name", mode)),
+        dbo=bool(_get(vllm_config, "parallel_config", "enable_dbo", default=False)),
+    )
+
+
+@dataclass(frozen=True)
+class LayerFacts:
+    """One attention layer, read once.
+
+    Attributes:
+        name: vLLM's prefix of the layer.
+        compress_ratio: 1 (SWA-only), 4 (C4A) or 128 (C128A); another value is a
+            layer kind the plugin does not know (it keeps vLLM's path).
+        heads: local query heads (vLLM pads them to 64 or 128 for FlashMLA).
+        window: sliding window W.
+        topk: the C4A rows' width (the indexer's top-k buffer), 0 without one.
+        c128a_width: the widest C128A row (from ``max_model_len``).
+        max_tokens: the batched-token budget (largest step).
+        decode_window_width: the widest window row a decode step can carry
+            (DSpark's drafter rows are wider than the window).
+        kv_cache_dtype: vLLM's cache dtype name.
+    """
+
+    name: str
+    compress_ratio: int
+    heads: int
+    window: int
+    topk: int
+    c128a_width: int
+    max_tokens: int
+    decode_window_width: int
+    kv_cache_dtype: str | None = None
+
+    @property
+    def kind(self) -> str | None:
+        """``"swa"``, ``"c4a"``, ``"c128a"``, or None for a ratio the plugin does not know."""
+        return KINDS.get(self.compress_ratio)
+
+    @property
+    def kind_text(self) -> str:
+        return KIND_TEXT.get(self.kind or "", f"compress-ratio-{self.compress_ratio}")
+
+    @property
+    def comp_width(self) -> int:
+        """Columns of the compressed part of a row (0 for SWA-only layers)."""
+        return {"c4a": self.topk, "c128a": self.c128a_width}.get(self.kind or "", 0)
+
+    @property
+    def comp_page_slots(self) -> int | None:
+        """Compressed entries per cache page (None for SWA-only layers)."""
+        if self.kind in (None, "swa"):
+            return None
+        return slots_per_page(self.compress_ratio, KV_BLOCK_SIZE)
+
+    @property
+    def decode_row_width(self) -> int:
+        """The widest decode row: widest window part plus the compressed part."""
+        return self.decode_window_width + self.comp_width
+
+    @classmethod
+    def read(cls, layer: Any, serving: ServingConfig) -> LayerFacts:
+        """The facts of ``layer`` (vLLM's DSV4 attention layer) under ``serving``."""
+        topk_buffer = getattr(layer, "topk_indices_buffer", None)
+        # the layer holds vLLM's values (read from the same config when it was built)
+        max_model_len = int(getattr(layer, "max_model_len", None) or serving.max_model_len)
+        tokens = int(
+            getattr(layer, "max_num_batched_tokens", None) or serving.max_num_batched_tokens
+        )
+        window = int(layer.window_size)
+        dtype = getattr(layer, "kv_cache_dtype", None)
+        return cls(
+            name=str(getattr(layer, "prefix", "a DSV4 attention layer")),
+            compress_ratio=int(layer.compress_ratio),
+            heads=int(layer.n_local_heads),
+            window=window,
+            topk=0 if topk_buffer is None else int(topk_buffer.shape[-1]),
+            c128a_width=c128a_width(max_model_len),
+            max_tokens=int(tokens),
+            decode_window_width=max(window, serving.decode_window_width),
+            kv_cache_dtype=None if dtype is None else str(dtype),
+        )

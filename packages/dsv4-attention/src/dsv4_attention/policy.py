@@ -1,0 +1,260 @@
+"""The plugin's decisions as pure functions of the facts, the device and the measured table.
+
+No module state and no vLLM: every function here takes what it decides from
+(:class:`~dsv4_attention.facts.LayerFacts`, :class:`Device`, the GPU's
+:class:`~dsv4_attention.tables.MeasuredTable`, :class:`Switches`) and returns a
+value, so the runtime object (``dsv4_attention.runtime``) and the tests ask the
+same questions and get the same answers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .facts import LayerFacts, ServingConfig
+from .scratch import ScratchSpec
+from .tables import DecodeTable, MeasuredTable, PrefillLimits
+
+__all__ = [
+    "Choice",
+    "Device",
+    "Switches",
+    "c4a_mean_keys",
+    "decode_choice",
+    "decode_faster",
+    "decode_limits",
+    "prefill_choice",
+    "prefill_heads_limit",
+    "prefill_scratch_spec",
+    "prefill_step_takes_ours",
+]
+
+ENV_DISABLE = "DSV4_KERNELS_DISABLE"
+ENV_FORCE = "DSV4_KERNELS_FORCE"
+ENV_PREFILL_DISABLE = "DSV4_PREFILL_DISABLE"
+ENV_DECODE_DISABLE = "DSV4_DECODE_DISABLE"
+ENV_MAX_HEADS = "DSV4_PREFILL_MAX_HEADS"
+
+# Distinct window row sets per step: two window KV-cache groups, each read with
+# per-token rows (C4A layers) and grouped rows (SWA-only, C128A layers).
+WINDOW_ROW_SETS = 4
+# The decode step sizes the warm-up compiles: split over keys (few tokens), and one
+# program per token (many); each clamped to the configured token budget.
+DECODE_WARMUP_TOKENS = (1, 24, 512)
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    return env.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The environment switches, read once."""
+
+    disable: bool = False
+    force: bool = False
+    prefill_disable: bool = False
+    decode_disable: bool = False
+    max_heads: int | None = None  # DSV4_PREFILL_MAX_HEADS
+
+    @classmethod
+    def read(cls, env: Mapping[str, str] | None = None) -> Switches:
+        """The switches of ``env`` (the process environment by default); ``ValueError``
+        naming the variable when ``DSV4_PREFILL_MAX_HEADS`` is not an integer >= 0."""
+        env = os.environ if env is None else env
+        raw = env.get(ENV_MAX_HEADS, "").strip()
+        heads = None
+        if raw:
+            try:
+                heads = int(raw)
+            except ValueError:
+                heads = -1
+            if heads < 0:
+                raise ValueError(f"{ENV_MAX_HEADS} must be an integer >= 0, got {raw!r}")
+        return cls(
+            disable=_flag(env, ENV_DISABLE),
+            force=_flag(env, ENV_FORCE),
+            prefill_disable=_flag(env, ENV_PREFILL_DISABLE),
+            decode_disable=_flag(env, ENV_DECODE_DISABLE),
+            max_heads=heads,
+        )
+
+
+@dataclass(frozen=True)
+class Device:
+    """The GPU as vLLM's platform reports it (no CUDA context needed).
+
+    Attributes:
+        name: device name (``NVIDIA H200``), None without a GPU.
+        capability: (major, minor), None without a GPU.
+        wgmma: whether the Gluon wgmma kernels build here (Hopper, a Triton with Gluon).
+        forced: ``DSV4_KERNELS_FORCE`` on a machine without a measured table (tests on
+            CPU): decisions are made as on the H200.
+    """
+
+    name: str | None
+    capability: tuple[int, int] | None
+    wgmma: bool = False
+    forced: bool = False
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A decision and its reason (the reason is what the log line says)."""
+
+    ours: bool
+    reason: str
+
+
+def prefill_heads_limit(
+    facts: LayerFacts, limits: PrefillLimits, switches: Switches, *, short_rows: bool = False
+) -> int:
+    """Most local heads this layer kind takes the head-exact prefill at (in steps with
+    short C4A rows when ``short_rows``); ``DSV4_PREFILL_MAX_HEADS`` overrides."""
+    if switches.max_heads is not None:
+        return switches.max_heads
+    if facts.kind == "c4a":
+        return max(limits.c4a_max_heads, limits.c4a_short_rows_max_heads if short_rows else 0)
+    return limits.shared_keys_max_heads
+
+
+def prefill_choice(
+    facts: LayerFacts, device: Device, table: MeasuredTable | None, switches: Switches
+) -> Choice:
+    """Whether this layer kind's prefill may take ours (decided once, at start-up)."""
+    if facts.kind is None:
+        return Choice(False, f"compress ratio {facts.compress_ratio} is not a DSV4 layer kind")
+    if switches.prefill_disable:
+        return Choice(False, f"{ENV_PREFILL_DISABLE}=1")
+    if table is None:
+        return Choice(False, f"no measured table for {device.name or 'this device'}")
+    if table.prefill.requires_wgmma and not device.wgmma:
+        return Choice(False, "the Gluon wgmma kernel does not build here")
+    limit = prefill_heads_limit(facts, table.prefill, switches, short_rows=True)
+    if facts.heads > limit:
+        return Choice(
+            False,
+            f"{facts.heads} local heads: vLLM's FlashMLA prefill is measured faster above "
+            f"{limit} ({table.device_name})",
+        )
+    if facts.kind == "c4a" and facts.heads > prefill_heads_limit(
+        facts, table.prefill, switches
+    ):
+        return Choice(
+            True,
+            f"in steps whose rows average at most {table.prefill.c4a_short_rows_mean_keys} "
+            "valid keys per token",
+        )
+    return Choice(True, "every step")
+
+
+def _keys_upto(n: int, window: int, topk: int) -> int:
+    """Valid keys of the C4A rows of positions ``0 .. n - 1`` together: position ``p``
+    reads ``min(p + 1, window)`` window keys and ``min((p + 1) // 4, topk)`` compressed
+    ones (its top-k, or every compressed entry while there are fewer)."""
+    w = n * (n + 1) // 2 if n <= window else window * (window + 1) // 2 + (n - window) * window
+    c = min(n, 4 * topk - 1)  # (m // 4) < topk for m <= c
+    a, b = divmod(c, 4)
+    comp = 2 * a * (a - 1) + (b + 1) * a + max(0, n - c) * topk
+    return w + comp
+
+
+def c4a_mean_keys(
+    seq_lens: Sequence[int], query_lens: Sequence[int], window: int, topk: int
+) -> float:
+    """Mean valid keys per prefill token of a C4A layer for requests whose chunks end
+    at ``seq_lens`` and hold ``query_lens`` tokens (0.0 for no tokens)."""
+    tokens = sum(int(q) for q in query_lens)
+    if tokens == 0:
+        return 0.0
+    total = sum(
+        _keys_upto(int(s), window, topk) - _keys_upto(int(s) - int(q), window, topk)
+        for s, q in zip(seq_lens, query_lens, strict=True)
+    )
+    return total / tokens
+
+
+def prefill_step_takes_ours(
+    facts: LayerFacts, limits: PrefillLimits, switches: Switches, mean_keys: float | None
+) -> bool:
+    """Whether a step of a layer kind whose prefill is ours runs ours: always within the
+    head limit; a C4A layer above it only when its rows are short (``mean_keys``, None
+    when the step's host lengths are unknown)."""
+    if facts.heads <= prefill_heads_limit(facts, limits, switches):
+        return True
+    return mean_keys is not None and mean_keys <= limits.c4a_short_rows_mean_keys
+
+
+def decode_faster(table: DecodeTable, layer: str | int, heads: int, num_tokens: int) -> bool:
+    """Whether a decode step of ``num_tokens`` tokens was measured faster with ours: the
+    measured steps bracketing it (the nearest at or below and at or above) were both
+    faster, or, past the largest measured step, the largest was."""
+    row = table.row(layer, heads)
+    if row is None or num_tokens <= 0:
+        return False
+    steps = sorted(row)
+    below = [t for t in steps if t <= num_tokens]
+    above = [t for t in steps if t >= num_tokens]
+    sides = [below[-1]] if below else []
+    sides += [above[0]] if above else []
+    return bool(sides) and all(row[t] > table.min_ratio for t in sides)
+
+
+def decode_choice(
+    facts: LayerFacts, device: Device, table: MeasuredTable | None, switches: Switches
+) -> Choice:
+    """Whether this layer kind's decode may take ours (decided once, at start-up); which
+    step sizes then do is :func:`decode_faster`."""
+    if facts.kind is None:
+        return Choice(False, f"compress ratio {facts.compress_ratio} is not a DSV4 layer kind")
+    if switches.decode_disable:
+        return Choice(False, f"{ENV_DECODE_DISABLE}=1")
+    if table is None:
+        return Choice(False, f"no measured table for {device.name or 'this device'}")
+    if table.decode.requires_wgmma and not device.wgmma:
+        return Choice(False, "the Gluon wgmma kernel does not build here")
+    row = table.decode.row(facts.kind, facts.heads)
+    if row is None:
+        return Choice(
+            False, f"{facts.heads} local heads were not measured faster ({table.device_name})"
+        )
+    faster = [t for t, r in sorted(row.items()) if r > table.decode.min_ratio]
+    if not faster:
+        return Choice(False, f"no step size measured faster ({table.device_name})")
+    return Choice(True, f"at the step sizes measured faster ({len(faster)} of {len(row)})")
+
+
+def decode_limits(
+    facts: Sequence[LayerFacts], serving: ServingConfig | None = None
+) -> tuple[int, int, int, int]:
+    """(largest decode batch, local heads, widest row, widest window part) the decode
+    scratch must hold for these layers: the token budget, their heads, and the widest
+    row vLLM can build for any of them (DSpark's drafter rows included)."""
+    return (
+        max(f.max_tokens for f in facts),
+        max(f.heads for f in facts),
+        max(f.decode_row_width for f in facts),
+        max(f.decode_window_width for f in facts),
+    )
+
+
+def prefill_scratch_spec(facts: Sequence[LayerFacts], max_group: int) -> ScratchSpec:
+    """The largest prefill step of these layers: the token budget, their heads, the
+    widest group of grouped rows, and the row widths of the kinds present."""
+    return ScratchSpec(
+        max_tokens=max(f.max_tokens for f in facts),
+        max_heads=max(f.heads for f in facts),
+        window_size=max(f.window for f in facts),
+        max_group=max_group,
+        c4a_topk=max((f.topk for f in facts if f.kind == "c4a"), default=0),
+        c128a_width=max((f.c128a_width for f in facts if f.kind == "c128a"), default=0),
+        window_slots=WINDOW_ROW_SETS,
+        c128a_slots=1,
+    )
+
+
+def decode_warmup_tokens(max_tokens: int) -> tuple[int, ...]:
+    """The decode step sizes the warm-up compiles, within the token budget."""
+    return tuple(sorted({min(t, max_tokens) for t in DECODE_WARMUP_TOKENS if max_tokens >= 1}))

@@ -1,0 +1,596 @@
+"""The plugin's one runtime object per process: decisions, scratch, warm-ups and step state.
+
+:class:`HeadExactRuntime` is built by the plugin when vLLM first builds a
+DeepSeek-V4 attention layer.  It holds everything the head-exact paths need
+across layers and steps, so there is no module state anywhere else:
+
+* **Decisions, at start-up, all-or-nothing per layer kind.**  The first time a
+  layer kind (SWA-only, C4A, C128A at its local head count) is seen -- in
+  vLLM's memory profile run, before any request -- its facts are read once
+  (:class:`~dsv4_attention.facts.LayerFacts`), the policy decides prefill and
+  decode (``dsv4_attention.policy``, from the GPU's measured table), the
+  kernels are compiled on a tiny batch within the token budget, and one log
+  line says what the kind runs and why.  Whatever fails there (a scratch that
+  cannot be reserved, a compile error, a kernel that does not build its fast
+  variant) leaves that kind on vLLM's path for the whole run.
+* **Scratch from vLLM's workspace.**  Both scratches are reserved once, at the
+  first layer, as persistent buffers of vLLM's workspace manager, sized for the
+  widest row and the largest step vLLM can schedule under the configuration
+  (the token budget; DSpark's wider drafter rows), so vLLM's memory profile
+  counts them; the bytes are logged once.
+* **Steps.**  A step's prefill plan (index rows shared by the layers of a kind)
+  is keyed on vLLM's forward context, not on a metadata object (DSV4's two
+  window KV-cache groups each get their own).  Any exception from our path in
+  a step that is not being captured into a CUDA graph sends the call to vLLM's
+  own method, logs one warning, and leaves that kind on vLLM's path from then
+  on; under capture it propagates, so it fails vLLM's start-up instead of a
+  request.
+
+Design: ``docs/design.md`` (the runtime object and its decisions).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import policy, vllm_calls
+from .facts import LayerFacts, ServingConfig
+from .policy import Choice, Device, Switches
+from .scratch import PrefillScratch, ScratchSpec, scratch_bytes
+from .tables import MeasuredTable
+
+__all__ = ["HeadExactRuntime", "KindState", "VllmAccess"]
+
+LAYER_RATIOS = (1, 4, 128)
+
+
+def _never() -> bool:
+    return False
+
+
+def _nothing() -> Any:
+    return None
+
+
+def _capturing() -> bool:
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+@dataclass(frozen=True)
+class VllmAccess:
+    """How the runtime reaches vLLM (set by the plugin from the release's facts; tests
+    pass their own): the current forward context or None, the workspace manager or
+    None, vLLM's logger, whether dual-batch overlap is running, and whether the
+    current stream is being captured into a CUDA graph."""
+
+    forward_context: Callable[[], Any] = _nothing
+    workspace: Callable[[], Any] = _nothing
+    info: Callable[[str], None] = print
+    warning: Callable[[str], None] = print
+    dual_batch: Callable[[], bool] = _never
+    capturing: Callable[[], bool] = _capturing
+
+
+@dataclass
+class KindState:
+    """What one layer kind runs, decided once."""
+
+    facts: LayerFacts
+    prefill: Choice
+    decode: Choice
+    warmup_seconds: float = 0.0
+
+
+@dataclass
+class _Step:
+    owner: Any = None  # weakref to the forward context (or metadata) of the step
+    dict_id: int | None = None
+    plan: Any = None
+    mean_keys: dict[tuple[int, int], float] = field(default_factory=dict)
+
+
+class HeadExactRuntime:
+    """Everything the plugin decides and holds in one process (module docstring).
+
+    Args:
+        serving: the served configuration, read once from vLLM's config.
+        device: the GPU as vLLM's platform reports it.
+        table: the GPU's measured table (None: nothing is taken over).
+        switches: the environment switches, read once.
+        access: how to reach vLLM.
+    """
+
+    def __init__(
+        self,
+        serving: ServingConfig,
+        device: Device,
+        table: MeasuredTable | None,
+        switches: Switches,
+        access: VllmAccess | None = None,
+    ) -> None:
+        self.serving = serving
+        self.device = device
+        self.table = table
+        self.switches = switches
+        self.access = access or VllmAccess()
+        self.kinds: dict[tuple[int, int], KindState] = {}
+        self.prefill_scratch: PrefillScratch | None = None
+        self.decode_scratch: Any = None
+        self.reserved: dict[str, int] = {}
+        self._reserved_once = False
+        self._decode_limits: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self._step = _Step()
+        self._warned: set[str] = set()
+
+    # --- facts and decisions --------------------------------------------------------
+
+    def facts(self, layer: Any) -> LayerFacts:
+        """The layer's facts, read on first contact and kept on the layer."""
+        held = getattr(layer, "_dsv4_facts", None)
+        if not isinstance(held, LayerFacts):
+            held = LayerFacts.read(layer, self.serving)
+            layer._dsv4_facts = held
+        return held
+
+    def _model_kinds(self, facts: LayerFacts) -> list[LayerFacts]:
+        """The facts of every DSV4 layer kind at this layer's heads and widths (the
+        model's other kinds share them: one top-k buffer, one context length)."""
+        return [dataclasses.replace(facts, compress_ratio=r) for r in LAYER_RATIOS]
+
+    def kind_state(self, layer: Any, q: torch.Tensor) -> KindState:
+        """This layer's kind decision, made (reserving, warming up, logging) at first
+        contact."""
+        facts = self.facts(layer)
+        key = (facts.compress_ratio, facts.heads)
+        state = self.kinds.get(key)
+        if state is None:
+            state = self._decide(facts, q)
+            self.kinds[key] = state
+        return state
+
+    def _decide(self, facts: LayerFacts, q: torch.Tensor) -> KindState:
+        if not self._reserved_once:
+            self._reserved_once = True
+            self._reserve(facts, q)
+        prefill = policy.prefill_choice(facts, self.device, self.table, self.switches)
+        decode = policy.decode_choice(facts, self.device, self.table, self.switches)
+        if prefill.ours:
+            prefill = self._fits_prefill(facts) or prefill
+        if decode.ours:
+            decode = self._fits_decode(facts) or decode
+        state = KindState(facts, prefill, decode)
+        if prefill.ours or decode.ours:
+            self._warm_up(state, q.device)
+        self.access.info(self.describe(state))
+        return state
+
+    def describe(self, state: KindState) -> str:
+        """The one log line of a layer kind's decision."""
+        f = state.facts
+        parts = []
+        for what, choice in (("prefill", state.prefill), ("decode", state.decode)):
+            who = "ours" if choice.ours else "vLLM's"
+            parts.append(f"{what} {who} ({choice.reason})")
+        return (
+            f"dsv4-attention: {f.kind_text} layers, {f.heads} local heads, "
+            f"{self.serving.model_text}: " + "; ".join(parts)
+        )
+
+    # --- memory ------------------------------------------------------------------------
+
+    def _manager(self) -> Any:
+        return self.access.workspace()
+
+    def _reserve(self, facts: LayerFacts, q: torch.Tensor) -> None:
+        """Reserve both scratches once, for every kind the policy may hand us, from
+        vLLM's workspace (a locked workspace leaves the kinds on vLLM's path)."""
+        kinds = self._model_kinds(facts)
+        prefill = [
+            f for f in kinds if policy.prefill_choice(f, self.device, self.table, self.switches).ours
+        ]
+        decode = [
+            f for f in kinds if policy.decode_choice(f, self.device, self.table, self.switches).ours
+        ]
+        manager = self._manager()
+        if prefill:
+            from dsv4_kernels import sparse_mla
+
+            group = sparse_mla.prefill_group_size(q[:1, : facts.heads])
+            spec = policy.prefill_scratch_spec(prefill, group)
+            try:
+                self.prefill_scratch = self._prefill_buffers(spec, q.device, manager)
+                self.reserved["prefill"] = scratch_bytes(spec)
+            except Exception as exc:  # vLLM's locked workspace, out of memory, ...
+                self.reserved["prefill failed"] = 0
+                self._prefill_refusal = f"no prefill scratch could be reserved ({exc})"
+        if decode:
+            try:
+                self.decode_scratch = self._decode_buffers(decode, q.device, manager)
+                self.reserved["decode"] = 4 * int(self.decode_scratch.sizes.total)
+            except Exception as exc:
+                self._decode_refusal = f"no decode scratch could be reserved ({exc})"
+        if self.reserved:
+            self.access.info(self.memory_line())
+
+    def memory_line(self) -> str:
+        """The once-per-process line of reserved bytes (as vLLM logs its KV cache)."""
+        mib = {k: v / (1 << 20) for k, v in self.reserved.items() if v}
+        total = sum(mib.values())
+        what = ", ".join(f"{k} scratch {v:.2f} MiB" for k, v in mib.items()) or "nothing"
+        s = self.serving
+        return (
+            f"dsv4-attention: reserved {total:.2f} MiB per GPU from vLLM's workspace ({what}; "
+            f"budget {s.max_num_batched_tokens} tokens, max_model_len {s.max_model_len}, "
+            f"widest decode window row {s.decode_window_width})"
+        )
+
+    @staticmethod
+    def _prefill_buffers(spec: ScratchSpec, device: torch.device, manager: Any) -> PrefillScratch:
+        if manager is None:
+            return PrefillScratch(spec, device=device)
+        return PrefillScratch(
+            spec,
+            lambda name, n, dtype: manager.get_persistent(
+                ("dsv4_attention.prefill", name, n), (n,), dtype
+            ),
+        )
+
+    def _decode_buffers(self, kinds: list[LayerFacts], device: torch.device, manager: Any) -> Any:
+        from .decode import decode_scratch_sizes, make_decode_scratch
+
+        tokens, heads, row, window = policy.decode_limits(kinds)
+        self._decode_limits = (tokens, heads, row, window)
+        sizes = decode_scratch_sizes(tokens, heads, row, device, window=window)
+        buffer = None
+        if manager is not None:
+            buffer = manager.get_persistent(
+                ("dsv4_attention.decode", tokens, heads, row, window), (sizes.total,), torch.float32
+            )
+        return make_decode_scratch(sizes, device, buffer)
+
+    def _fits_prefill(self, facts: LayerFacts) -> Choice | None:
+        """None when the reserved prefill scratch holds this kind's largest step."""
+        if self.prefill_scratch is None:
+            return Choice(False, getattr(self, "_prefill_refusal", "no prefill scratch reserved"))
+        spec = self.prefill_scratch.spec
+        need = policy.prefill_scratch_spec([facts], spec.max_group)
+        if spec.merged(need) != spec:
+            return Choice(False, f"the prefill scratch was reserved for {spec}, not {need}")
+        return None
+
+    def _fits_decode(self, facts: LayerFacts) -> Choice | None:
+        """None when the reserved decode scratch holds this kind's widest decode step."""
+        if self.decode_scratch is None:
+            return Choice(False, getattr(self, "_decode_refusal", "no decode scratch reserved"))
+        need = policy.decode_limits([facts])
+        if any(n > h for n, h in zip(need, self._decode_limits, strict=True)):
+            return Choice(
+                False,
+                f"the decode scratch holds (tokens, heads, row, window) {self._decode_limits}, "
+                f"this kind needs {need}",
+            )
+        return None
+
+    def _warm_up(self, state: KindState, device: torch.device) -> None:
+        """Compile this kind's kernels on a tiny batch within the token budget; a failure,
+        or a Hopper kernel that fell back to its slow variant, declines the kind."""
+        import time
+
+        from dsv4_kernels.sparse_mla import wgmma_available
+
+        from .warmup import warm_up_decode, warm_up_prefill
+
+        f = state.facts
+        began = time.perf_counter()
+        try:
+            if state.prefill.ours:
+                warm_up_prefill(
+                    device, f.heads, f.compress_ratio, f.topk or 512, max_tokens=f.max_tokens
+                )
+            if state.decode.ours:
+                warm_up_decode(
+                    device,
+                    f.heads,
+                    f.compress_ratio,
+                    f.decode_row_width,
+                    self.decode_scratch,
+                    tokens=policy.decode_warmup_tokens(f.max_tokens),
+                    window_width=f.decode_window_width,
+                )
+            if self.device.wgmma and not self.device.forced and not wgmma_available():
+                raise RuntimeError("the Gluon wgmma kernel failed to build")
+        except Exception as exc:
+            reason = f"its warm-up failed: {type(exc).__name__}: {exc}"
+            state.prefill = Choice(False, reason) if state.prefill.ours else state.prefill
+            state.decode = Choice(False, reason) if state.decode.ours else state.decode
+        state.warmup_seconds = time.perf_counter() - began
+
+    # --- steps --------------------------------------------------------------------------
+
+    def _step_state(self, swa_metadata: Any) -> _Step:
+        """The shared state of the step ``swa_metadata`` belongs to: keyed on vLLM's
+        forward context (one per forward pass) and its metadata dict; without a forward
+        context (a layer driven by hand), on the metadata object."""
+        ctx = self.access.forward_context()
+        owner = ctx if ctx is not None else swa_metadata
+        dict_id = id(getattr(ctx, "attn_metadata", None)) if ctx is not None else None
+        held = self._step.owner
+        if held is None or held() is not owner or self._step.dict_id != dict_id:
+            self._step = _Step(weakref.ref(owner), dict_id)
+        return self._step
+
+    def _step_mean_keys(self, facts: LayerFacts, swa_metadata: Any) -> float | None:
+        """The step's mean C4A keys per token from vLLM's host copies of the lengths (no
+        device synchronisation), once per step and row shape; None without them."""
+        seq = getattr(swa_metadata, "prefill_seq_lens_cpu", None)
+        qlen = getattr(swa_metadata, "prefill_query_lens_cpu", None)
+        if seq is None or qlen is None or not facts.topk:
+            return None
+        step = self._step_state(swa_metadata)
+        key = (facts.window, facts.topk)
+        if key not in step.mean_keys:
+            step.mean_keys[key] = policy.c4a_mean_keys(seq.tolist(), qlen.tolist(), *key)
+        return step.mean_keys[key]
+
+    def _layout_ok(
+        self,
+        layer: Any,
+        facts: LayerFacts,
+        swa_cache: Any,
+        comp_cache: Any,
+        swa_block_size: int,
+        comp_block_size: int | None,
+    ) -> bool:
+        """Whether this layer's caches have DSV4's FP8 page layout at vLLM's page sizes;
+        checked once per layer and cache binding, a refusal logged once."""
+        key = (
+            getattr(swa_cache, "data_ptr", lambda: 0)(),
+            getattr(comp_cache, "data_ptr", lambda: 0)(),
+            tuple(getattr(swa_cache, "shape", ())),
+            tuple(getattr(comp_cache, "shape", ())),
+        )
+        held = getattr(layer, "_dsv4_layout", None)
+        if held is not None and held[0] == key:
+            return bool(held[1])
+        problem = vllm_calls.cache_layout_problem(facts, swa_cache, swa_block_size, "window")
+        if problem is None and facts.kind != "swa":
+            slots = None if comp_block_size is None else comp_block_size // facts.compress_ratio
+            problem = vllm_calls.cache_layout_problem(facts, comp_cache, slots, "compressed")
+        layer._dsv4_layout = (key, problem is None)
+        if problem is not None:
+            self.access.info(
+                f"dsv4-attention: {facts.name} keeps vLLM's attention (prefill and decode): "
+                f"{problem}"
+            )
+        return problem is None
+
+    def _failed(self, layer: Any, what: str, exc: BaseException) -> bool:
+        """A step of ours raised outside capture: that kind's ``what`` goes back to vLLM
+        for the rest of the run, with one warning; False (vLLM's method runs)."""
+        facts = getattr(layer, "_dsv4_facts", None)
+        kind = "an unknown layer kind"
+        if isinstance(facts, LayerFacts):
+            kind = f"{facts.kind_text} layers"
+            state = self.kinds.setdefault(
+                (facts.compress_ratio, facts.heads),
+                KindState(facts, Choice(False, "not decided"), Choice(False, "not decided")),
+            )
+            if state is not None:
+                reason = f"{what} raised {type(exc).__name__}"
+                if what in ("prefill", "start-up"):
+                    state.prefill = Choice(False, reason)
+                if what in ("decode", "start-up"):
+                    state.decode = Choice(False, reason)
+        line = f"{what}/{kind}"
+        if line not in self._warned:
+            self._warned.add(line)
+            self.access.warning(
+                f"dsv4-attention: the {what} of {kind} raised {type(exc).__name__}: {exc}; "
+                f"this and later steps take vLLM's own {what} there"
+            )
+        return False
+
+    def prefill(
+        self,
+        layer: Any,
+        q: torch.Tensor,
+        compressed_k_cache: torch.Tensor | None,
+        swa_k_cache: torch.Tensor,
+        output: torch.Tensor,
+        attn_metadata: Any,
+        swa_metadata: Any,
+    ) -> bool:
+        """Run the head-exact prefill where it applies; False: vLLM's own must run."""
+        try:
+            state = self.kind_state(layer, q)
+            if not state.prefill.ours or self.access.dual_batch():
+                return False
+            if (
+                getattr(swa_metadata, "prefill_left_visible", None) is not None
+                or getattr(swa_metadata, "prefill_right_visible", None) is not None
+            ):
+                return False  # in-image visibility: vLLM's vision variant
+            facts = state.facts
+            assert self.table is not None
+            mean = None
+            if facts.kind == "c4a" and facts.heads > policy.prefill_heads_limit(
+                facts, self.table.prefill, self.switches
+            ):
+                mean = self._step_mean_keys(facts, swa_metadata)
+            if not policy.prefill_step_takes_ours(facts, self.table.prefill, self.switches, mean):
+                return False
+            comp_block = None if facts.kind == "swa" else int(attn_metadata.block_size)
+            if not self._layout_ok(
+                layer, facts, swa_k_cache, compressed_k_cache, int(swa_metadata.block_size), comp_block
+            ):
+                return False
+            step = self._step_state(swa_metadata)
+            if step.plan is None:
+                step.plan = vllm_calls.prefill_plan(swa_metadata, self.prefill_scratch)
+            vllm_calls.run_prefill(
+                layer,
+                facts,
+                step.plan,
+                q,
+                compressed_k_cache,
+                swa_k_cache,
+                output,
+                attn_metadata,
+                swa_metadata,
+            )
+            return True
+        except Exception as exc:
+            if self.access.capturing():
+                raise
+            return self._failed(layer, "prefill", exc)
+
+    def decode(
+        self,
+        layer: Any,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        swa_metadata: Any,
+        attn_metadata: Any,
+        swa_only: bool,
+        output: torch.Tensor,
+        global_topk: Any,
+    ) -> bool:
+        """Run the head-exact decode where it applies; False: vLLM's own must run.  What
+        it reads is fixed for a CUDA graph (the batch size, the layer), so a captured
+        graph replays the same choice."""
+        try:
+            state = self.kind_state(layer, q)
+            if not state.decode.ours or self.access.dual_batch():
+                return False
+            facts = state.facts
+            assert self.table is not None
+            num_tokens = int(swa_metadata.num_decode_tokens)
+            if not policy.decode_faster(self.table.decode, facts.compress_ratio, facts.heads, num_tokens):
+                return False
+            window = layer.swa_cache_layer.kv_cache
+            comp_block = None if swa_only else int(attn_metadata.block_size)
+            if not self._layout_ok(
+                layer, facts, window, kv_cache, int(swa_metadata.block_size), comp_block
+            ):
+                return False
+            vllm_calls.run_decode(
+                layer,
+                facts,
+                q,
+                kv_cache,
+                swa_metadata,
+                attn_metadata,
+                swa_only,
+                output,
+                self.decode_scratch,
+                global_topk,
+            )
+            return True
+        except Exception as exc:
+            if self.access.capturing():
+                raise
+            return self._failed(layer, "decode", exc)
+
+    def prepare(self, layer: Any, q: torch.Tensor) -> None:
+        """vLLM's profile run (no metadata): decide this layer's kind now, reserving the
+        scratch and compiling the kernels before vLLM locks its workspace and captures
+        its graphs.  Never raises into vLLM: a failure declines the kind."""
+        try:
+            self.kind_state(layer, q)
+        except Exception as exc:
+            self._failed(layer, "start-up", exc)
+
+
+def make_attention_cls(base: type, runtime: HeadExactRuntime) -> type:
+    """A subclass of vLLM's ``DeepseekV4FlashMLAAttention`` whose prefill and decode ask
+    ``runtime`` first and otherwise call vLLM's own methods with the same arguments."""
+    import sys
+
+    module = sys.modules[base.__module__]
+
+    def _forward_prefill(
+        self: Any,
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        compressed_k_cache: torch.Tensor | None,
+        swa_k_cache: torch.Tensor,
+        output: torch.Tensor,
+        attn_metadata: Any,
+        swa_metadata: Any,
+    ) -> None:
+        if runtime.prefill(
+            self, q, compressed_k_cache, swa_k_cache, output, attn_metadata, swa_metadata
+        ):
+            return
+        base._forward_prefill(  # type: ignore[attr-defined]
+            self,
+            q=q,
+            positions=positions,
+            compressed_k_cache=compressed_k_cache,
+            swa_k_cache=swa_k_cache,
+            output=output,
+            attn_metadata=attn_metadata,
+            swa_metadata=swa_metadata,
+        )
+
+    def _forward_decode(
+        self: Any,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        swa_metadata: Any,
+        attn_metadata: Any,
+        swa_only: bool,
+        output: torch.Tensor,
+    ) -> None:
+        # vLLM's own global top-k mapping, looked up as vLLM's method looks it up
+        global_topk = module.compute_global_topk_indices_and_lens
+        if runtime.decode(
+            self, q, kv_cache, swa_metadata, attn_metadata, swa_only, output, global_topk
+        ):
+            return
+        base._forward_decode(  # type: ignore[attr-defined]
+            self,
+            q=q,
+            kv_cache=kv_cache,
+            swa_metadata=swa_metadata,
+            attn_metadata=attn_metadata,
+            swa_only=swa_only,
+            output=output,
+        )
+
+    def forward_mqa(
+        self: Any, q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, output: torch.Tensor
+    ) -> None:
+        base.forward_mqa(self, q, kv, positions, output)  # type: ignore[attr-defined]
+        ctx = runtime.access.forward_context()
+        if ctx is not None and getattr(ctx, "attn_metadata", None) is None:
+            runtime.prepare(self, q)  # vLLM's profile / dummy run
+
+    _forward_prefill.__doc__ = (
+        "Head-exact sparse-MLA prefill from the FP8 pages where measured faster, else vLLM's own."
+    )
+    _forward_decode.__doc__ = (
+        "Head-exact sparse FP8 decode where the GPU's table measured it faster, else vLLM's own."
+    )
+    forward_mqa.__doc__ = (
+        "vLLM's forward_mqa; in its profile run the runtime also decides this layer's kind, "
+        "reserves the scratch and compiles the kernels."
+    )
+    return type(
+        "Dsv4HeadExactFlashMLAAttention",
+        (base,),
+        {
+            "__doc__": "vLLM's FlashMLA DSV4 attention with dsv4-attention's head-exact paths.",
+            "__module__": __name__,
+            "_forward_prefill": _forward_prefill,
+            "_forward_decode": _forward_decode,
+            "forward_mqa": forward_mqa,
+            "dsv4_runtime": runtime,
+        },
+    )

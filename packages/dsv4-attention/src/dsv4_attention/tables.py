@@ -1,0 +1,147 @@
+"""The measured tables the plugin decides by: data files keyed by GPU, loaded once.
+
+Like vLLM's tuned MoE configurations, each table is one JSON file per device
+name under ``dsv4_attention/tables/`` (``NVIDIA_H200.json``: the device name
+with spaces as underscores).  A table says, from curated benchmark runs on that
+GPU (its ``source``), whether the combine kernel replaces vLLM's, up to how
+many local heads the head-exact prefill is faster per layer kind, and the
+decode speed-up of every measured step size.
+
+A GPU without a file of its own takes the table of its family (compute
+capability major: ``sm90`` for H100, H200, H20...) when one file declares that
+family; a family with no table at all (Blackwell, Ampere today) gets nothing
+replaced.  Regenerate a table from a new curated run and name the run in its
+``source``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from types import MappingProxyType
+
+__all__ = ["DecodeTable", "MeasuredTable", "PrefillLimits", "all_tables", "table_for"]
+
+LAYER_NAMES = {1: "swa", 4: "c4a", 128: "c128a"}
+
+
+@dataclass(frozen=True)
+class PrefillLimits:
+    """Up to how many local heads the head-exact prefill is measured faster."""
+
+    requires_wgmma: bool
+    c4a_max_heads: int
+    shared_keys_max_heads: int  # SWA-only and C128A layers (grouped rows)
+    c4a_short_rows_max_heads: int  # C4A layers in steps whose rows are short
+    c4a_short_rows_mean_keys: int
+
+
+@dataclass(frozen=True)
+class DecodeTable:
+    """FlashMLA's padded decode time over ours, per layer kind, head row and step size."""
+
+    requires_wgmma: bool
+    max_heads: int
+    min_ratio: float
+    ratios: Mapping[str, Mapping[int, Mapping[int, float]]]
+
+    def row(self, layer: str | int, heads: int) -> Mapping[int, float] | None:
+        """The measured steps of a layer kind (``"c4a"`` or its ratio 4) at ``heads``
+        local heads (looked up by the kernel's MMA width: 8 rows up to 8 heads, 16 up
+        to 16); None where nothing was measured."""
+        name = LAYER_NAMES.get(layer, "") if isinstance(layer, int) else layer
+        if name not in self.ratios or not 1 <= heads <= self.max_heads:
+            return None
+        return self.ratios[name].get(8 if heads <= 8 else 16)
+
+
+@dataclass(frozen=True)
+class MeasuredTable:
+    """One GPU's measured table (one JSON file)."""
+
+    device_name: str
+    family: str
+    source: str
+    combine: bool
+    prefill: PrefillLimits
+    decode: DecodeTable
+
+
+def _frozen_ratios(raw: Mapping[str, object]) -> Mapping[str, Mapping[int, Mapping[int, float]]]:
+    out = {}
+    for layer, by_heads in raw.items():
+        if not isinstance(by_heads, dict):
+            raise ValueError(f"decode ratios of {layer!r} must be an object")
+        out[layer] = MappingProxyType(
+            {
+                int(h): MappingProxyType({int(t): float(r) for t, r in steps.items()})
+                for h, steps in by_heads.items()
+            }
+        )
+    return MappingProxyType(out)
+
+
+def parse_table(data: Mapping[str, object], name: str = "<table>") -> MeasuredTable:
+    """A :class:`MeasuredTable` from a table file's JSON; ``ValueError`` naming the file
+    and the field when one is missing or of the wrong type."""
+    try:
+        prefill = data["prefill"]
+        decode = data["decode"]
+        assert isinstance(prefill, dict) and isinstance(decode, dict)
+        return MeasuredTable(
+            device_name=str(data["device_name"]),
+            family=str(data["family"]),
+            source=str(data["source"]),
+            combine=bool(data["combine"]["replace"]),  # type: ignore[index]
+            prefill=PrefillLimits(
+                requires_wgmma=bool(prefill["requires_wgmma"]),
+                c4a_max_heads=int(prefill["c4a_max_heads"]),
+                shared_keys_max_heads=int(prefill["shared_keys_max_heads"]),
+                c4a_short_rows_max_heads=int(prefill["c4a_short_rows_max_heads"]),
+                c4a_short_rows_mean_keys=int(prefill["c4a_short_rows_mean_keys"]),
+            ),
+            decode=DecodeTable(
+                requires_wgmma=bool(decode["requires_wgmma"]),
+                max_heads=int(decode["max_heads"]),
+                min_ratio=float(decode["min_ratio"]),
+                ratios=_frozen_ratios(decode["ratios"]),
+            ),
+        )
+    except (KeyError, TypeError, ValueError, AssertionError) as exc:
+        raise ValueError(f"measured table {name} is malformed: {type(exc).__name__}: {exc}") from exc
+
+
+def file_name(device_name: str) -> str:
+    """The table file of a device name as vLLM's platform reports it."""
+    return device_name.strip().replace(" ", "_") + ".json"
+
+
+@functools.cache
+def all_tables() -> Mapping[str, MeasuredTable]:
+    """Every table shipped with the package, by file name (read once per process)."""
+    found = {}
+    for entry in resources.files(__package__).joinpath("tables").iterdir():
+        if entry.name.endswith(".json"):
+            found[entry.name] = parse_table(json.loads(entry.read_text()), entry.name)
+    return MappingProxyType(found)
+
+
+def family_of(capability: tuple[int, int] | None) -> str | None:
+    """``sm90`` for compute capability (9, 0); None without a device."""
+    return None if capability is None else f"sm{capability[0]}0"
+
+
+def table_for(device_name: str | None, capability: tuple[int, int] | None) -> MeasuredTable | None:
+    """The table of this GPU: its own file, else its family's; None when its family was
+    never measured (then nothing is replaced on it)."""
+    tables = all_tables()
+    if device_name and file_name(device_name) in tables:
+        return tables[file_name(device_name)]
+    family = family_of(capability)
+    for name in sorted(tables):
+        if family is not None and tables[name].family == family:
+            return tables[name]
+    return None

@@ -1,0 +1,156 @@
+"""vLLM's ``_forward_prefill`` / ``_forward_decode`` arguments mapped to our forwards.
+
+Pure argument mapping, no decisions and no state: the runtime
+(``dsv4_attention.runtime``) decides whether to call these and owns the plan
+and the scratch they are given.  Page sizes come from the cache views the layer
+holds (the layout guard checked them against vLLM's metadata once per binding),
+the same for prefill and decode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .facts import LayerFacts
+from .prefill_plan import PrefillPlan
+
+__all__ = ["cache_layout_problem", "prefill_plan", "run_decode", "run_prefill"]
+
+# vLLM's names of the cache dtype whose pages are the UE8M0 layout our kernels read
+DSV4_CACHE_DTYPES = ("fp8_ds_mla", "fp8")
+
+
+def cache_layout_problem(
+    facts: LayerFacts, cache: Any, slots: int | None, what: str
+) -> str | None:
+    """Why ``cache`` is not a DSV4 FP8 (UE8M0, 584 bytes a token) page view of ``slots``
+    entries per page (vLLM's metadata block size), or None when it is."""
+    from dsv4_kernels.geometry import TOKEN_BYTES, page_stride_bytes
+
+    if not isinstance(cache, torch.Tensor):
+        return f"the {what} cache is {type(cache).__name__}, not a tensor"
+    if cache.dtype != torch.uint8 or cache.dim() != 3:
+        return f"the {what} cache is {cache.dtype} {tuple(cache.shape)}, not a uint8 page view"
+    if slots is None or cache.shape[1] != slots or cache.shape[2] != TOKEN_BYTES:
+        return (
+            f"the {what} cache pages are {tuple(cache.shape[1:])}, expected ({slots}, "
+            f"{TOKEN_BYTES}) (DSV4's UE8M0 layout, {TOKEN_BYTES} bytes a token)"
+        )
+    if cache.stride(2) != 1 or cache.stride(1) != TOKEN_BYTES:
+        return f"the {what} cache has strides {cache.stride()}, not packed {TOKEN_BYTES}-byte rows"
+    if cache.shape[0] > 1 and cache.stride(0) < page_stride_bytes(slots):
+        return (
+            f"the {what} cache's page stride {cache.stride(0)} is smaller than a page "
+            f"({page_stride_bytes(slots)} bytes)"
+        )
+    if facts.kv_cache_dtype is not None and facts.kv_cache_dtype not in DSV4_CACHE_DTYPES:
+        return f"kv_cache_dtype {facts.kv_cache_dtype!r} is not one of {DSV4_CACHE_DTYPES}"
+    return None
+
+
+def prefill_plan(swa_metadata: Any, scratch: Any) -> PrefillPlan:
+    """The step's plan from vLLM's window metadata (any group's: they share the step)."""
+    num_decodes = int(swa_metadata.num_decodes)
+    num_prefills = int(swa_metadata.num_prefills)
+    return PrefillPlan(
+        swa_metadata.query_start_loc[num_decodes : num_decodes + num_prefills + 1],
+        swa_metadata.prefill_seq_lens,
+        num_tokens=int(swa_metadata.num_prefill_tokens),
+        scratch=scratch,
+    )
+
+
+def run_prefill(
+    layer: Any,
+    facts: LayerFacts,
+    plan: PrefillPlan,
+    q: torch.Tensor,
+    compressed_k_cache: torch.Tensor | None,
+    swa_k_cache: torch.Tensor,
+    output: torch.Tensor,
+    attn_metadata: Any,
+    swa_metadata: Any,
+) -> None:
+    """vLLM's ``_forward_prefill`` inputs -> index rows -> attention on the real heads.
+
+    ``q`` and ``output`` are the prefill tokens' ``[T, padded_heads, 512]`` slices;
+    only the first ``facts.heads`` heads are computed and written (vLLM drops the
+    padded ones after attention)."""
+    from .prefill import forward_prefill
+
+    heads = facts.heads
+    num_decodes = int(swa_metadata.num_decodes)
+    comp: dict[str, Any] = {}
+    if facts.kind != "swa":
+        assert compressed_k_cache is not None
+        comp = {
+            "comp_cache": compressed_k_cache,
+            "comp_block_table": attn_metadata.block_table[num_decodes:],
+            "comp_block_size": int(compressed_k_cache.shape[1]),
+        }
+        if facts.kind == "c4a":
+            num_decode_tokens = int(swa_metadata.num_decode_tokens)
+            comp["topk_indices"] = layer.topk_indices_buffer[num_decode_tokens:]
+        else:
+            comp["c128a_topk"] = int(attn_metadata.c128a_prefill_topk_indices.shape[-1])
+    forward_prefill(
+        q[:, :heads],
+        plan,
+        compress_ratio=facts.compress_ratio,
+        scale=float(layer.scale),
+        swa_cache=swa_k_cache,
+        swa_block_table=swa_metadata.block_table[num_decodes:],
+        swa_block_size=int(swa_k_cache.shape[1]),
+        attn_sink=layer.attn_sink[:heads],
+        out=output[:, :heads],
+        **comp,
+    )
+
+
+def run_decode(
+    layer: Any,
+    facts: LayerFacts,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor | None,
+    swa_metadata: Any,
+    attn_metadata: Any,
+    swa_only: bool,
+    output: torch.Tensor,
+    scratch: Any,
+    global_topk: Any,
+) -> None:
+    """vLLM's ``_forward_decode`` inputs -> the head-exact decode on the real heads, into
+    ``output`` in place (the padded heads are left as they are).  ``global_topk`` is
+    vLLM's ``compute_global_topk_indices_and_lens`` as its method looks it up."""
+    from .decode import forward_decode
+
+    heads = facts.heads
+    num_tokens = int(swa_metadata.num_decode_tokens)
+    comp: dict[str, Any] = {}
+    if not swa_only:
+        assert kv_cache is not None
+        if facts.kind == "c4a":  # the layer's own top-k, mapped to cache slots as vLLM maps them
+            indices, lens = global_topk(
+                layer.topk_indices_buffer[:num_tokens],
+                swa_metadata.token_to_req_indices,
+                attn_metadata.block_table[: int(swa_metadata.num_decodes)],
+                int(kv_cache.shape[1]),
+                swa_metadata.is_valid_token[:num_tokens],
+            )
+        else:
+            indices = attn_metadata.c128a_global_decode_topk_indices
+            lens = attn_metadata.c128a_decode_topk_lens
+        comp = {"comp_cache": kv_cache, "comp_indices": indices, "comp_lens": lens}
+    forward_decode(
+        q[:num_tokens, :heads],
+        layer.swa_cache_layer.kv_cache,
+        swa_metadata.decode_swa_indices,
+        swa_metadata.decode_swa_lens,
+        layer.attn_sink[:heads],
+        float(layer.scale),
+        output[:num_tokens, :heads],
+        scratch,
+        **comp,
+    )
