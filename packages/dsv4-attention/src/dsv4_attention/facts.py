@@ -94,7 +94,9 @@ def read_serving_config(vllm_config: Any) -> ServingConfig:
         decode_len = int(backend.max_decode_query_len(vllm_config))
     mode = _get(vllm_config, "compilation_config", "cudagraph_mode")
     tokens = _get(vllm_config, "scheduler_config", "max_num_batched_tokens")
-    length = _get(model, "max_model_len")
+    # the model's, as resolved; the scheduler holds the same value (and the only one
+    # where no model config is set)
+    length = _get(model, "max_model_len") or _get(vllm_config, "scheduler_config", "max_model_len")
     return ServingConfig(
         architectures=tuple(_get(model, "architectures", default=()) or ()),
         max_num_batched_tokens=None if tokens is None else int(tokens),

@@ -242,7 +242,7 @@ class HeadExactRuntime:
         )
 
     def _decode_buffers(self, kinds: list[LayerFacts], device: torch.device, manager: Any) -> Any:
-        from .decode import decode_scratch_sizes, make_decode_scratch
+        from dsv4_kernels import decode_scratch_sizes, make_decode_scratch
 
         tokens, heads, row, window = policy.decode_limits(kinds)
         self._decode_limits = (tokens, heads, row, window)
@@ -322,7 +322,11 @@ class HeadExactRuntime:
         dict_id = id(getattr(ctx, "attn_metadata", None)) if ctx is not None else None
         held = self._step.owner
         if held is None or held() is not owner or self._step.dict_id != dict_id:
-            self._step = _Step(weakref.ref(owner), dict_id)
+            try:
+                ref: Callable[[], Any] = weakref.ref(owner)
+            except TypeError:  # an object without weak references: held until the next step
+                ref = lambda: owner  # noqa: E731
+            self._step = _Step(ref, dict_id)
         return self._step
 
     def _step_mean_keys(self, facts: LayerFacts, swa_metadata: Any) -> float | None:
