@@ -258,3 +258,37 @@ def prefill_scratch_spec(facts: Sequence[LayerFacts], max_group: int) -> Scratch
 def decode_warmup_tokens(max_tokens: int) -> tuple[int, ...]:
     """The decode step sizes the warm-up compiles, within the token budget."""
     return tuple(sorted({min(t, max_tokens) for t in DECODE_WARMUP_TOKENS if max_tokens >= 1}))
+
+
+def reserved_bytes(
+    serving: ServingConfig, heads: int, topk: int, *, max_group: int, sms: int
+) -> dict[str, int]:
+    """The bytes the runtime reserves per GPU for a served configuration where every layer
+    kind's prefill and decode are ours (the most it reserves): ``{"prefill": ...,
+    "decode": ...}``.  ``max_group``: the grouped rows' group size on the GPU (4 at 8
+    heads, 2 at 16 on Hopper); ``sms``: its multiprocessors (132 on an H200)."""
+    from dsv4_kernels import decode_scratch_sizes
+
+    from .facts import c128a_width
+    from .scratch import scratch_bytes
+
+    assert serving.max_num_batched_tokens is not None and serving.max_model_len is not None
+    kinds = [
+        LayerFacts(
+            name="",
+            compress_ratio=r,
+            heads=heads,
+            window=128,
+            topk=topk,
+            c128a_width=c128a_width(serving.max_model_len),
+            max_tokens=serving.max_num_batched_tokens,
+            decode_window_width=serving.decode_window_width,
+        )
+        for r in (1, 4, 128)
+    ]
+    tokens, h, row, window = decode_limits(kinds)
+    sizes = decode_scratch_sizes(tokens, h, row, "cpu", window=window, sms=sms)
+    return {
+        "prefill": scratch_bytes(prefill_scratch_spec(kinds, max_group)),
+        "decode": 4 * sizes.total,
+    }
