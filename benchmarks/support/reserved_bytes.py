@@ -6,7 +6,8 @@ this prints them for V4-Flash and V4-Pro at TP8 on an H200 (132 multiprocessors;
 grouped rows of 4 tokens at 8 heads, 2 at 16), the most the runtime reserves
 (every layer kind on our path).  Run from the repository root:
 
-    PYTHONPATH=packages/dsv4-kernels/src:packages/dsv4-attention/src python3 -m benchmarks.support.reserved_bytes
+    export PYTHONPATH=packages/dsv4-kernels/src:packages/dsv4-attention/src
+    python3 -m benchmarks.support.reserved_bytes
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ DRAFTERS = {"none / MTP": 128, "DSpark k=15": 192}
 
 
 def main() -> None:
-    print("| model | drafter | max_model_len | " + " | ".join(f"budget {b}" for b in BUDGETS) + " |")
+    print(
+        "| model | drafter | max_model_len | " + " | ".join(f"budget {b}" for b in BUDGETS) + " |"
+    )
     print("| --- | --- | --- | " + " | ".join("---" for _ in BUDGETS) + " |")
     for model, (heads, topk, group) in MODELS.items():
         for drafter, width in DRAFTERS.items():
@@ -34,9 +37,7 @@ def main() -> None:
                         decode_window_width=width,
                     )
                     got = reserved_bytes(serving, heads, topk, max_group=group, sms=132)
-                    cells.append(
-                        f"{got['prefill'] / 2**20:.0f} + {got['decode'] / 2**20:.1f} MiB"
-                    )
+                    cells.append(f"{got['prefill'] / 2**20:.0f} + {got['decode'] / 2**20:.1f} MiB")
                 print(f"| {model} | {drafter} | {length:,} | " + " | ".join(cells) + " |")
 
 

@@ -155,9 +155,9 @@ def _access(ws: Any, lines: list[tuple[int, str]]) -> VllmAccess:
 
     return VllmAccess(
         forward_context=lambda: get_forward_context() if is_forward_context_available() else None,
-        workspace=lambda: ws.current_workspace_manager()
-        if ws.is_workspace_manager_initialized()
-        else None,
+        workspace=lambda: (
+            ws.current_workspace_manager() if ws.is_workspace_manager_initialized() else None
+        ),
         info=lambda s: lines.append((logging.INFO, s)),
         warning=lambda s: lines.append((logging.WARNING, s)),
         dual_batch=dbo_enabled,
@@ -335,7 +335,9 @@ def _one_layer_step(ratio: int) -> tuple[Any, dict[str, Any]]:
         prefill_left_visible=None,
         prefill_right_visible=None,
     )
-    attn_md = types.SimpleNamespace(block_table=torch.arange(2, dtype=torch.int32)[None], block_size=256)
+    attn_md = types.SimpleNamespace(
+        block_table=torch.arange(2, dtype=torch.int32)[None], block_size=256
+    )
     q = torch.randn(5, PADDED, 512).to(torch.bfloat16)
     return lay, {
         "q": q,
@@ -363,7 +365,9 @@ def _runtime(lines: list[tuple[int, str]], **access: Any) -> HeadExactRuntime:
     )
 
 
-def test_a_kernel_that_raises_falls_back_to_vllm_once(faulty: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_kernel_that_raises_falls_back_to_vllm_once(
+    faulty: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from dsv4_attention import vllm_calls
 
     base, rec, _ = faulty
@@ -413,11 +417,15 @@ def test_a_locked_workspace_declines_at_first_contact(faulty: Any, workspace: An
     cls._forward_prefill(lay, **args)
     assert rec.calls == ["prefill"]
     decided = [s for _, s in lines if "SWA-only layers" in s]
-    assert len(decided) == 1 and "prefill vLLM's (no prefill scratch could be reserved" in decided[0]
+    assert (
+        len(decided) == 1 and "prefill vLLM's (no prefill scratch could be reserved" in decided[0]
+    )
     assert not [s for lvl, s in lines if lvl >= logging.WARNING]
 
 
-def test_under_capture_a_failure_fails_start_up(faulty: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_under_capture_a_failure_fails_start_up(
+    faulty: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """While a CUDA graph is captured, an exception of ours propagates (vLLM's start-up
     fails) instead of capturing vLLM's path silently."""
     from dsv4_attention import vllm_calls

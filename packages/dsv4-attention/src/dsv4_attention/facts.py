@@ -169,10 +169,13 @@ class LayerFacts:
         """The facts of ``layer`` (vLLM's DSV4 attention layer) under ``serving``."""
         topk_buffer = getattr(layer, "topk_indices_buffer", None)
         # the layer holds vLLM's values (read from the same config when it was built)
-        max_model_len = int(getattr(layer, "max_model_len", None) or serving.max_model_len)
-        tokens = int(
-            getattr(layer, "max_num_batched_tokens", None) or serving.max_num_batched_tokens
-        )
+        max_model_len = getattr(layer, "max_model_len", None) or serving.max_model_len
+        tokens = getattr(layer, "max_num_batched_tokens", None) or serving.max_num_batched_tokens
+        if max_model_len is None or tokens is None:
+            raise ValueError(
+                f"{getattr(layer, 'prefix', 'the layer')}: neither the layer nor vLLM's config "
+                "gives max_model_len and max_num_batched_tokens"
+            )
         window = int(layer.window_size)
         dtype = getattr(layer, "kv_cache_dtype", None)
         return cls(
@@ -181,7 +184,7 @@ class LayerFacts:
             heads=int(layer.n_local_heads),
             window=window,
             topk=0 if topk_buffer is None else int(topk_buffer.shape[-1]),
-            c128a_width=c128a_width(max_model_len),
+            c128a_width=c128a_width(int(max_model_len)),
             max_tokens=int(tokens),
             decode_window_width=max(window, serving.decode_window_width),
             kv_cache_dtype=None if dtype is None else str(dtype),

@@ -367,7 +367,10 @@ def _activate(vllm_config: Any, base: type) -> None:
         setattr(patch.module, patch.name, patch.replacement)
     _APPLIED.extend(patches)
     _STATE.update(runtime=runtime, cls=cls)
-    replaced = [*names, "DeepseekV4FlashMLAAttention (head-exact prefill and decode per layer kind)"]
+    replaced = [
+        *names,
+        "DeepseekV4FlashMLAAttention (head-exact prefill and decode per layer kind)",
+    ]
     _logger().info(
         "dsv4-attention %s: active for %s on vLLM %s (%s, table %s); replaced: %s",
         _our_version(),
@@ -384,9 +387,7 @@ def _install_trigger() -> None:
     alone; otherwise wrap the selector with the start-up trigger (checked first)."""
     served = _served_architectures()
     if served and not set(served) & set(V4_ARCHITECTURES):
-        raise _Inactive(
-            f"the model is {'/'.join(served)}; dsv4-attention acts on DeepSeek-V4 only"
-        )
+        raise _Inactive(f"the model is {'/'.join(served)}; dsv4-attention acts on DeepSeek-V4 only")
     model, select, base = _vllm_classes()
 
     def _select_dsv4_attn_cls(vllm_config: Any) -> type:
@@ -397,7 +398,7 @@ def _install_trigger() -> None:
         return cls if cls is not None and chosen is base else chosen
 
     _select_dsv4_attn_cls.__wrapped__ = select  # type: ignore[attr-defined]
-    setattr(model, "_select_dsv4_attn_cls", _select_dsv4_attn_cls)
+    model._select_dsv4_attn_cls = _select_dsv4_attn_cls  # type: ignore[attr-defined]
     _STATE["trigger"] = _Patch(model, "_select_dsv4_attn_cls", select, _select_dsv4_attn_cls)
 
 

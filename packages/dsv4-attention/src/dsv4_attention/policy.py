@@ -139,9 +139,7 @@ def prefill_choice(
             f"{facts.heads} local heads: vLLM's FlashMLA prefill is measured faster above "
             f"{limit} ({table.device_name})",
         )
-    if facts.kind == "c4a" and facts.heads > prefill_heads_limit(
-        facts, table.prefill, switches
-    ):
+    if facts.kind == "c4a" and facts.heads > prefill_heads_limit(facts, table.prefill, switches):
         return Choice(
             True,
             f"in steps whose rows average at most {table.prefill.c4a_short_rows_mean_keys} "

@@ -192,7 +192,9 @@ class HeadExactRuntime:
         vLLM's workspace (a locked workspace leaves the kinds on vLLM's path)."""
         kinds = self._model_kinds(facts)
         prefill = [
-            f for f in kinds if policy.prefill_choice(f, self.device, self.table, self.switches).ours
+            f
+            for f in kinds
+            if policy.prefill_choice(f, self.device, self.table, self.switches).ours
         ]
         decode = [
             f for f in kinds if policy.decode_choice(f, self.device, self.table, self.switches).ours
@@ -431,7 +433,12 @@ class HeadExactRuntime:
                 return False
             comp_block = None if facts.kind == "swa" else int(attn_metadata.block_size)
             if not self._layout_ok(
-                layer, facts, swa_k_cache, compressed_k_cache, int(swa_metadata.block_size), comp_block
+                layer,
+                facts,
+                swa_k_cache,
+                compressed_k_cache,
+                int(swa_metadata.block_size),
+                comp_block,
             ):
                 return False
             step = self._step_state(swa_metadata)
@@ -475,7 +482,9 @@ class HeadExactRuntime:
             facts = state.facts
             assert self.table is not None
             num_tokens = int(swa_metadata.num_decode_tokens)
-            if not policy.decode_faster(self.table.decode, facts.compress_ratio, facts.heads, num_tokens):
+            if not policy.decode_faster(
+                self.table.decode, facts.compress_ratio, facts.heads, num_tokens
+            ):
                 return False
             window = layer.swa_cache_layer.kv_cache
             comp_block = None if swa_only else int(attn_metadata.block_size)

@@ -111,7 +111,9 @@ def parse_table(data: Mapping[str, object], name: str = "<table>") -> MeasuredTa
             ),
         )
     except (KeyError, TypeError, ValueError, AssertionError) as exc:
-        raise ValueError(f"measured table {name} is malformed: {type(exc).__name__}: {exc}") from exc
+        raise ValueError(
+            f"measured table {name} is malformed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def file_name(device_name: str) -> str:

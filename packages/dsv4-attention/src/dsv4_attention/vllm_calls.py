@@ -22,9 +22,7 @@ __all__ = ["cache_layout_problem", "prefill_plan", "run_decode", "run_prefill"]
 DSV4_CACHE_DTYPES = ("fp8_ds_mla", "fp8")
 
 
-def cache_layout_problem(
-    facts: LayerFacts, cache: Any, slots: int | None, what: str
-) -> str | None:
+def cache_layout_problem(facts: LayerFacts, cache: Any, slots: int | None, what: str) -> str | None:
     """Why ``cache`` is not a DSV4 FP8 (UE8M0, 584 bytes a token) page view of ``slots``
     entries per page (vLLM's metadata block size), or None when it is."""
     from dsv4_kernels.geometry import TOKEN_BYTES, page_stride_bytes
