@@ -43,7 +43,7 @@ COMBINE_MATRIX = [
     CombineShape("c4a-1x16384@131072", "c4a", 1, 16384, 131072),
     CombineShape("c128a-1x16384@131072", "c128a", 1, 16384, 131072),
 ]
-# ... and the rest of DESIGN.md's minimum: every layer type at every seed size.
+# ... and the rest of docs/design.md's minimum: every layer type at every seed size.
 COMBINE_EXTRA = [
     CombineShape(f"{layer}-{n}x{q}", layer, n, q, q)
     for layer in ("swa", "c128a")

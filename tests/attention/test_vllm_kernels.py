@@ -270,5 +270,5 @@ def test_global_index_equals_vllms_in_decode(vllm_ops: object) -> None:
     assert torch.equal(ours[0][live], theirs[0][live]), f"global indices differ (seed {seed})"
     # Padding tokens: both give length 0, so attention reads nothing of their
     # rows; vLLM still maps them (reading the block table with the padding
-    # token's request id), we write -1 and read nothing (DESIGN.md).
+    # token's request id), we write -1 and read nothing (docs/design.md).
     assert bool((ours[0][~live] == -1).all())

@@ -1,4 +1,4 @@
-"""Float64 oracle of the sparse MLA decode over exactly the indexed keys (DESIGN.md,
+"""Float64 oracle of the sparse MLA decode over exactly the indexed keys (docs/design.md,
 "Sparse MLA with sink"), shared by the CPU and GPU decode tests; and the checks."""
 
 from __future__ import annotations

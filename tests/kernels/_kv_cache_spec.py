@@ -1,4 +1,4 @@
-"""Slow references for the FP8 (UE8M0) K cache, written straight from DESIGN.md.
+"""Slow references for the FP8 (UE8M0) K cache, written straight from docs/design.md.
 
 Plain Python on floats (float64, where every step here is exact), a loop per
 token and per value; independent of ``dsv4_kernels.reference`` (vectorised

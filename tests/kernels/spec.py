@@ -1,4 +1,4 @@
-"""Slow, loop-per-token references written straight from DESIGN.md's kernel contracts.
+"""Slow, loop-per-token references written straight from docs/design.md's kernel contracts.
 
 Independent of ``dsv4_kernels.reference`` (which is vectorised): the tests
 compare both the Triton kernels and the vectorised reference against these.

@@ -158,7 +158,7 @@ def test_combine_no_tokens(impl: str, kernel_device: torch.device) -> None:
 def test_combine_properties(
     query_lens: list[int], layer: str, images: bool, negative: bool, seed: int
 ) -> None:
-    """DESIGN.md invariants on the reference, for any batch hypothesis can build."""
+    """docs/design.md invariants on the reference, for any batch hypothesis can build."""
     ratio, topk, generate = LAYERS[layer]
     b = make_batch(
         seed,

@@ -1,7 +1,7 @@
 # mypy: allow-untyped-defs
 """Triton kernels for the FP8 (UE8M0) paged K cache (launched from :mod:`.kv_cache`).
 
-Layout of one page (``SLOTS`` tokens or compressed entries, see DESIGN.md)::
+Layout of one page (``SLOTS`` tokens or compressed entries, see docs/design.md)::
 
     [slot * 576, slot * 576 + 448)          448 E4M3 codes, 7 blocks of 64
     [slot * 576 + 448, slot * 576 + 576)    64 rope values, bf16

@@ -3,7 +3,7 @@
 The kernels, their wrappers and the references take every byte layout,
 width and constant of DSV4 from the names here; in the package's code nothing
 else spells these numbers (docstrings and comments restate them for the
-reader; the tests' slow spec oracles restate them from DESIGN.md on purpose,
+reader; the tests' slow spec oracles restate them from docs/design.md on purpose,
 as an independent check, and the benchmarks' upstream re-implementations
 spell them as upstream does).  The kernels read the page layout as compile-time
 globals made from these names once (:mod:`dsv4_kernels._jit_layout`).

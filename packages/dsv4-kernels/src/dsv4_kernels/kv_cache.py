@@ -5,7 +5,7 @@ drop-in compatible with vLLM's functions of the same name.  CUDA tensors run
 the Triton kernels in :mod:`._triton_kv_cache`; CPU tensors run
 :mod:`dsv4_kernels.reference` unless Triton's interpreter is on.
 
-Layout (per page of ``slots_per_page`` tokens or compressed entries, DESIGN.md
+Layout (per page of ``slots_per_page`` tokens or compressed entries, docs/design.md
 "FP8 K cache"): token ``s`` keeps 448 E4M3 codes (7 blocks of 64) and its 64
 rope values as bf16 at byte ``s * 576``; after all the page's data come 8
 scale bytes per token (7 UE8M0 exponents ``e + 127`` and a zero byte) at

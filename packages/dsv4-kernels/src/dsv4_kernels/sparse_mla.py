@@ -4,7 +4,7 @@
 caches (window cache and compressed cache, global slots); ``sparse_mla_workspace``
 reads a bf16 workspace with request-local rows (what vLLM passes FlashMLA
 today).  Both compute exactly the query heads they are given (any H from 1 to
-128, no padding), with FlashMLA's contract (DESIGN.md, "Sparse MLA with
+128, no padding), with FlashMLA's contract (docs/design.md, "Sparse MLA with
 sink"): per token ``t`` and head ``h``, over its valid keys ``j``,
 
     s_j = scale * q[t, h] . k_j
