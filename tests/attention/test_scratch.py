@@ -13,8 +13,11 @@ import types
 import pytest
 import torch
 
-from dsv4_attention import vllm_backend as vb
+from dsv4_attention import policy, vllm_calls
+from dsv4_attention.facts import LayerFacts, ServingConfig
+from dsv4_attention.policy import Device, Switches
 from dsv4_attention.prefill import PrefillPlan, forward_prefill, reference_forward_prefill
+from dsv4_attention.runtime import LAYER_RATIOS, HeadExactRuntime, VllmAccess
 from dsv4_attention.scratch import (
     PrefillScratch,
     ScratchSpec,
@@ -140,35 +143,143 @@ def _page_view(pages: int, slots: int, width: int = TOKEN_BYTES, stride: int | N
     return flat.as_strided((pages, slots, width), (stride, width, 1))
 
 
+def _layer(ratio: int = 1, dtype: str | None = "fp8_ds_mla", **kw: object) -> types.SimpleNamespace:
+    """The attributes of vLLM's DSV4 attention layer the plugin reads its facts from."""
+    fields = dict(
+        prefix="layers.3.attn",
+        compress_ratio=ratio,
+        n_local_heads=8,
+        window_size=128,
+        topk_indices_buffer=torch.zeros(4, 512, dtype=torch.int32),
+        max_model_len=4096,
+        max_num_batched_tokens=64,
+    )
+    if dtype is not None:
+        fields["kv_cache_dtype"] = dtype
+    return types.SimpleNamespace(**{**fields, **kw})
+
+
+def _facts(ratio: int = 1, dtype: str | None = "fp8_ds_mla", **kw: object) -> LayerFacts:
+    return LayerFacts.read(_layer(ratio, dtype, **kw), ServingConfig())
+
+
 @pytest.mark.parametrize(
     ("cache", "slots", "dtype", "problem"),
     [
         (_page_view(3, 64), 64, "fp8_ds_mla", None),
         (_page_view(3, 64), 64, "fp8", None),
+        (_page_view(3, 64), 64, None, None),  # a layer without a dtype: not checked
+        (_page_view(1, 64, stride=64 * 584), 64, "fp8_ds_mla", None),  # one page: no stride
+        (_page_view(3, 2), 2, "fp8_ds_mla", None),  # a C128A page
         (_page_view(3, 64, width=528), 64, "fp8_ds_mla", "528"),  # V4.1's MXFP8 record
         (_page_view(3, 64), 2, "fp8_ds_mla", "expected (2, 584)"),
+        (_page_view(3, 64), None, "fp8_ds_mla", "expected (None, 584)"),  # no block size
         (_page_view(3, 64, stride=64 * 584), 64, "fp8_ds_mla", "page stride"),
         (torch.zeros(3, 64, 584, dtype=torch.bfloat16), 64, "fp8_ds_mla", "bfloat16"),
         (_page_view(3, 64), 64, "auto", "kv_cache_dtype 'auto'"),
+        (torch.zeros(3 * 64 * 584, dtype=torch.uint8), 64, "fp8_ds_mla", "not a uint8 page view"),
+        (torch.zeros(3, 584, 64, dtype=torch.uint8).transpose(1, 2), 64, "fp8_ds_mla", "strides"),
         (None, 64, "fp8_ds_mla", "not a tensor"),
     ],
 )
-def test_cache_layout_problem(cache, slots: int, dtype: str, problem: str | None) -> None:  # type: ignore[no-untyped-def]
-    layer = types.SimpleNamespace(kv_cache_dtype=dtype)
-    found = vb.cache_layout_problem(layer, cache, slots, "window")
+def test_cache_layout_problem(
+    cache, slots: int | None, dtype: str | None, problem: str | None
+) -> None:  # type: ignore[no-untyped-def]
+    """The guard over one cache, with the layer's cache dtype as its facts hold it."""
+    facts = _facts(dtype=dtype)
+    assert facts.kv_cache_dtype == dtype
+    found = vllm_calls.cache_layout_problem(facts, cache, slots, "window")
     if problem is None:
-        assert found is None
+        assert found is None, found
     else:
         assert found is not None and problem in found, found
+        # a problem of the cache names which cache (the dtype is the layer's)
+        assert "kv_cache_dtype" in problem or "the window cache" in found, found
+
+
+def _runtime(lines: list[str]) -> HeadExactRuntime:
+    """A runtime that logs into ``lines`` (no vLLM, no table: only its guard is used)."""
+    access = VllmAccess(info=lines.append, warning=lines.append)
+    return HeadExactRuntime(ServingConfig(), Device(None, None), None, Switches(), access)
 
 
 def test_layout_checked_once_per_binding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard runs once per layer and cache binding (a refusal logged once, naming the
+    layer); a new binding is checked again."""
     lines: list[str] = []
-    monkeypatch.setitem(vb._RUNTIME, "log", lines.append)
-    layer = types.SimpleNamespace(kv_cache_dtype="fp8_ds_mla", prefix="layers.3.attn")
+    rt = _runtime(lines)
+    layer = _layer()
+    facts = rt.facts(layer)
+    assert rt.facts(layer) is facts  # read once, kept on the layer
+    checks: list[object] = []
+    real = vllm_calls.cache_layout_problem
+
+    def counted(*args: object) -> str | None:
+        checks.append(args[1])
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(vllm_calls, "cache_layout_problem", counted)
     bad = _page_view(3, 64, width=528)
-    assert not vb.layout_ok(layer, bad, None, 64, None)
-    assert not vb.layout_ok(layer, bad, None, 64, None)
-    assert len(lines) == 1 and "layers.3.attn" in lines[0]
+    assert not rt._layout_ok(layer, facts, bad, None, 64, None)
+    assert not rt._layout_ok(layer, facts, bad, None, 64, None)
+    assert len(checks) == 1
+    assert len(lines) == 1 and "layers.3.attn" in lines[0] and "528" in lines[0], lines
     good = _page_view(3, 64)
-    assert vb.layout_ok(layer, good, None, 64, None)  # a new binding is checked again
+    assert rt._layout_ok(layer, facts, good, None, 64, None)  # a new binding is checked again
+    assert rt._layout_ok(layer, facts, good, None, 64, None)
+    assert len(checks) == 2 and len(lines) == 1
+
+
+@pytest.mark.parametrize(
+    ("ratio", "slots", "block_size", "problem"),
+    [
+        (4, 64, 256, None),  # C4A: 256 // 4 entries a page
+        (128, 2, 256, None),  # C128A: 256 // 128
+        (4, 2, 256, "expected (64, 584)"),  # a C128A view bound to a C4A layer
+        (128, 64, 256, "expected (2, 584)"),
+        (4, 64, None, "expected (None, 584)"),  # no compressed block size
+    ],
+)
+def test_layout_checks_the_compressed_cache_at_vllms_block_size(
+    ratio: int, slots: int, block_size: int | None, problem: str | None
+) -> None:
+    """C4A and C128A layers: the compressed cache too, at ``block_size // ratio`` entries a
+    page (vLLM's metadata block size), after a good window cache."""
+    lines: list[str] = []
+    rt = _runtime(lines)
+    layer = _layer(ratio)
+    facts = rt.facts(layer)
+    ok = rt._layout_ok(layer, facts, _page_view(3, 64), _page_view(3, slots), 64, block_size)
+    assert ok == (problem is None)
+    if problem is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and "compressed" in lines[0] and problem in lines[0], lines
+
+
+def test_prefill_scratch_spec_covers_the_kinds_present() -> None:
+    """The scratch holds the largest step of the kinds the prefill takes: the token budget,
+    their heads, the window, the group size, the C4A top-k only with C4A layers and
+    vLLM's widest C128A row (one entry per 128 tokens, rounded up to 128) only with
+    C128A layers, and a window row set per group and row kind."""
+    kinds = {r: _facts(r, max_model_len=16385, max_num_batched_tokens=96) for r in LAYER_RATIOS}
+    assert kinds[128].c128a_width == 256 and _facts(128).c128a_width == 128
+    spec = policy.prefill_scratch_spec(list(kinds.values()), 4)
+    assert spec == ScratchSpec(
+        max_tokens=96,
+        max_heads=8,
+        window_size=128,
+        max_group=4,
+        c4a_topk=512,
+        c128a_width=256,
+        window_slots=policy.WINDOW_ROW_SETS,
+        c128a_slots=1,
+    )
+    assert policy.WINDOW_ROW_SETS == 4  # two window groups, per-token and grouped rows
+    swa = policy.prefill_scratch_spec([kinds[1]], 1)
+    assert (swa.c4a_topk, swa.c128a_width, swa.max_group) == (0, 0, 1)
+    names = set(prefill_scratch_sizes(swa))
+    assert not any(n.startswith(("c4a", "c128a")) for n in names)
+    wide = _facts(1, n_local_heads=16, max_num_batched_tokens=32)
+    both = policy.prefill_scratch_spec([kinds[4], wide], 2)
+    assert (both.max_tokens, both.max_heads, both.c4a_topk, both.c128a_width) == (96, 16, 512, 0)

@@ -11,9 +11,14 @@ Both paths run on the same inputs built from vLLM's own pieces:
   combine being vLLM's own Triton kernels (staged by ``benchmarks.support.vllm_peer``,
   through Triton's interpreter) and, since FlashMLA cannot run on a CPU, the
   attention call answered by our bf16-workspace kernel on vLLM's padded heads;
-* our path: the plugin's subclass (``_select_dsv4_attn_cls`` patched by the
-  plugin, the CUDA platform faked), whose ``_forward_prefill`` reads the FP8
-  pages for the real heads only.
+* our path: the plugin's subclass (as vLLM's selector wrapped by the plugin
+  returns it, the CUDA platform faked) over a fresh runtime per test (the
+  plugin's device, table and access to vLLM), whose ``_forward_prefill`` reads
+  the FP8 pages for the real heads only.
+
+The prefill policy (which layer kinds and steps take ours on the H200) is
+checked here too, from the measured table with an explicit device and
+switches, and through the runtime on vLLM's own step metadata.
 
 What cannot be driven on a CPU: vLLM's metadata *builders* (they need a
 scheduler output and CUDA tensors), FlashMLA, and the fused cache writers; the
@@ -22,6 +27,8 @@ metadata objects are therefore filled field by field, as the builders do.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import types
 from pathlib import Path
 
@@ -29,10 +36,16 @@ import pytest
 import torch
 
 import dsv4_kernels as dk
+from dsv4_attention import policy, vllm_calls
+from dsv4_attention.facts import LayerFacts, ServingConfig
+from dsv4_attention.policy import Device, Switches
+from dsv4_attention.runtime import HeadExactRuntime, VllmAccess
+from dsv4_attention.tables import table_for
 from dsv4_kernels import sparse_mla
 from dsv4_kernels.testing.common import fresh_seed, generator
 
 from ._vllm_hopper import hopper_attention_class
+from .test_vllm_step import PREFILL_ONLY, head_exact_cls
 from .vllm_layout import vllm_dsv4_caches
 
 pytestmark = pytest.mark.vllm
@@ -40,6 +53,15 @@ pytestmark = pytest.mark.vllm
 HEADS, PADDED = 8, 64  # V4-Flash at TP8: 8 real heads, FlashMLA pads to 64
 QLENS = (1, 1, 24, 6, 5)  # two decodes, then three prefills
 SEQ = (400, 90, 2300, 9000, 41)  # the second prefill has 2250 > 4 x 512 C4A entries
+MAX_TOKENS, MAX_MODEL_LEN = 1024, 16384  # the layer's (vLLM's) limits
+SERVING = ServingConfig(
+    architectures=("DeepseekV4ForCausalLM",),
+    max_num_batched_tokens=MAX_TOKENS,
+    max_model_len=MAX_MODEL_LEN,
+)
+H200 = table_for("NVIDIA H200", (9, 0))
+assert H200 is not None
+HOPPER = Device("NVIDIA H200", (9, 0), wgmma=True)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +74,28 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
     ops = vllm_peer.load(folder)
     with hopper_attention_class() as ours_cls:
         yield types.SimpleNamespace(ops=ops, flashmla=flashmla, ours_cls=ours_cls)
+
+
+def _layer(ratio: int, heads: int, topk_buffer: torch.Tensor, g: torch.Generator):  # type: ignore[no-untyped-def]
+    """vLLM's DSV4 attention layer as far as ``_forward_prefill`` reads it."""
+    from vllm.models.deepseek_v4.attention import DeepseekV4Attention
+
+    sink = torch.full((PADDED,), float("-inf"))
+    sink[:heads] = torch.randn(heads, generator=g)
+    return types.SimpleNamespace(
+        n_local_heads=heads,
+        compress_ratio=ratio,
+        window_size=128,
+        scale=512**-0.5,
+        attn_sink=sink,
+        topk_indices_buffer=topk_buffer,
+        max_image_tokens=0,
+        max_num_batched_tokens=MAX_TOKENS,
+        max_model_len=MAX_MODEL_LEN,
+        kv_cache_dtype="fp8_ds_mla",
+        prefix=f"layers.{ratio}.attn",
+        PREFILL_CHUNK_SIZE=DeepseekV4Attention.PREFILL_CHUNK_SIZE,
+    )
 
 
 def _vllm_attention(q, kv, indices, sm_scale, attn_sink, topk_length, out):
@@ -173,24 +217,9 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
         caches[kind] = view.view
     batch = _batch(g, ratio, caches)
     total = int(batch["total"])  # type: ignore[call-overload]
-    sink = torch.full((PADDED,), float("-inf"))
-    sink[:HEADS] = torch.randn(HEADS, generator=g)
-    from vllm.models.deepseek_v4.attention import DeepseekV4Attention
-
-    layer = types.SimpleNamespace(
-        n_local_heads=HEADS,
-        compress_ratio=ratio,
-        window_size=128,
-        scale=512**-0.5,
-        attn_sink=sink,
-        topk_indices_buffer=batch["topk_buffer"],
-        max_image_tokens=0,
-        max_num_batched_tokens=1024,
-        max_model_len=16384,
-        kv_cache_dtype="fp8_ds_mla",
-        prefix=f"layers.{ratio}.attn",
-        PREFILL_CHUNK_SIZE=DeepseekV4Attention.PREFILL_CHUNK_SIZE,
-    )
+    layer = _layer(ratio, HEADS, batch["topk_buffer"], g)  # type: ignore[arg-type]
+    # a fresh runtime: it decides this kind (scratch sized for ``group``) at first contact
+    ours_cls = head_exact_cls(vllm_env.ours_cls, SERVING)
     swa = batch["swa"]
     num_decode_tokens = swa.num_decode_tokens  # type: ignore[attr-defined]
     q = (torch.randn(total, PADDED, 512, generator=g)).to(torch.bfloat16)
@@ -204,8 +233,14 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
     }
     outputs = {}
     flashmla = vllm_env.flashmla
+    attention_calls: dict[str, int] = {}
+
+    def vllm_attention(*args, **kwargs):  # type: ignore[no-untyped-def]
+        attention_calls[label] = attention_calls.get(label, 0) + 1
+        _vllm_attention(*args, **kwargs)
+
     patches = {
-        "flash_mla_sparse_fwd": _vllm_attention,
+        "flash_mla_sparse_fwd": vllm_attention,
         "current_workspace_manager": _Workspace,
         "combine_topk_swa_indices": vllm_env.ops.combine_topk_swa_indices,
         "dequantize_and_gather_k_cache": vllm_env.ops.dequantize_and_gather_k_cache,
@@ -214,10 +249,7 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
     try:
         for name, fn in patches.items():
             setattr(flashmla, name, fn)
-        for label, cls in (
-            ("vllm", flashmla.DeepseekV4FlashMLAAttention),
-            ("ours", vllm_env.ours_cls),
-        ):
+        for label, cls in (("vllm", flashmla.DeepseekV4FlashMLAAttention), ("ours", ours_cls)):
             out = torch.full((total, PADDED, 512), 7.0, dtype=torch.bfloat16)
             cls._forward_prefill(
                 layer, q=q[num_decode_tokens:], output=out[num_decode_tokens:], **kwargs
@@ -227,6 +259,16 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
         for name, fn in saved.items():
             setattr(flashmla, name, fn)
     vllm_out, ours = outputs["vllm"], outputs["ours"]
+    # ours ran (vLLM's FlashMLA call never made for it) and its kind stays ours
+    assert attention_calls.get("vllm", 0) > 0 and "ours" not in attention_calls, attention_calls
+    rt = ours_cls.dsv4_runtime
+    state = rt.kinds[(ratio, HEADS)]
+    assert state.prefill.ours and state.prefill.reason == "every step", state
+    assert rt.prefill_scratch is not None and rt.prefill_scratch.spec.max_group == group
+    plan = rt._step.plan
+    assert plan is not None and plan.scratch is rt.prefill_scratch
+    # grouped rows where the group is wider than a token (never for C4A layers)
+    assert bool(plan._grouped) == (group > 1) and bool(plan._rows) == (group == 1)
     prefill = slice(num_decode_tokens, total)
     assert bool((ours[:num_decode_tokens] == 7.0).all()), "decode rows were written"
     assert bool((ours[prefill, HEADS:] == 7.0).all()), "padded heads were written"
@@ -240,23 +282,161 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
     )
 
 
+def _runtime(lines: list[str], table=H200, switches: Switches = PREFILL_ONLY):  # type: ignore[no-untyped-def]
+    """A fresh runtime on (faked) Hopper with the Gluon kernel, logging into ``lines``,
+    whose warm-ups do nothing (these tests ask what it decides, not what it compiles)."""
+    access = VllmAccess(info=lines.append, warning=lines.append)
+    return HeadExactRuntime(SERVING, HOPPER, table, switches, access)
+
+
+@pytest.fixture
+def no_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Warm-ups that do nothing, with the Gluon kernel reported built (faked Hopper)."""
+    from dsv4_attention import warmup
+
+    monkeypatch.setattr(warmup, "warm_up_prefill", lambda *a, **k: 0.0)
+    monkeypatch.setattr(warmup, "warm_up_decode", lambda *a, **k: 0.0)
+    monkeypatch.setattr(sparse_mla, "wgmma_available", lambda: True)
+
+
+def _facts(ratio: int, heads: int) -> LayerFacts:
+    return LayerFacts(
+        name=f"layers.{ratio}.attn",
+        compress_ratio=ratio,
+        heads=heads,
+        window=128,
+        topk=512,
+        c128a_width=128,
+        max_tokens=MAX_TOKENS,
+        decode_window_width=128,
+        kv_cache_dtype="fp8_ds_mla",
+    )
+
+
+SHORT_ROWS = "in steps whose rows average at most 512 valid keys per token"
+
+
+@pytest.mark.parametrize(
+    ("ratio", "heads", "reason"),
+    [
+        (1, 8, "every step"),
+        (4, 8, "every step"),
+        (128, 8, "every step"),
+        (1, 16, "every step"),
+        (4, 16, SHORT_ROWS),  # V4-Pro TP8: C4A layers only where the rows are short
+        (128, 16, "every step"),
+        (1, 17, "measured faster above 16"),
+        (4, 17, "measured faster above 16"),
+        (128, 32, "measured faster above 16"),
+        (4, 64, "measured faster above 16"),
+        (2, 8, "compress ratio 2 is not a DSV4 layer kind"),
+    ],
+)
+def test_prefill_choice_on_the_h200_table(ratio: int, heads: int, reason: str) -> None:
+    """The H200's measured limits: head-exact prefill up to 8 local heads on C4A layers
+    (16 in steps whose rows are short), up to 16 on SWA-only and C128A layers."""
+    limits = H200.prefill
+    assert (limits.c4a_max_heads, limits.shared_keys_max_heads) == (8, 16)
+    assert (limits.c4a_short_rows_max_heads, limits.c4a_short_rows_mean_keys) == (16, 512)
+    choice = policy.prefill_choice(_facts(ratio, heads), HOPPER, H200, Switches())
+    assert choice.ours == (reason in ("every step", SHORT_ROWS))
+    assert reason in choice.reason, choice
+    if not choice.ours and ratio != 2:
+        assert "NVIDIA H200" in choice.reason
+
+
+def test_prefill_heads_limit_per_kind_and_override() -> None:
+    limits = H200.prefill
+    c4a, swa, c128a = _facts(4, 16), _facts(1, 16), _facts(128, 16)
+    assert policy.prefill_heads_limit(c4a, limits, Switches()) == 8
+    assert policy.prefill_heads_limit(c4a, limits, Switches(), short_rows=True) == 16
+    for facts in (swa, c128a):
+        assert policy.prefill_heads_limit(facts, limits, Switches()) == 16
+        assert policy.prefill_heads_limit(facts, limits, Switches(), short_rows=True) == 16
+    # DSV4_PREFILL_MAX_HEADS: one limit for every kind, short rows or not
+    for n in (0, 4, 16, 128):
+        for facts in (c4a, swa, c128a):
+            for short in (False, True):
+                got = policy.prefill_heads_limit(
+                    facts, limits, Switches(max_heads=n), short_rows=short
+                )
+                assert got == n
+
+
+def test_prefill_choice_off_where_nothing_was_measured_faster() -> None:
+    """Without the Gluon kernel, off Hopper (no table for Blackwell or Ampere), with the
+    switch, or at a head override below the layer's heads: vLLM's prefill; a Hopper
+    without its own file takes its family's table."""
+    facts = _facts(1, 8)
+    no_gluon = policy.prefill_choice(facts, Device("NVIDIA H200", (9, 0)), H200, Switches())
+    assert not no_gluon.ours and "wgmma" in no_gluon.reason
+    for name, cap in (("NVIDIA B200", (10, 0)), ("NVIDIA A100-SXM4-80GB", (8, 0))):
+        assert table_for(name, cap) is None
+        device = Device(name, cap, wgmma=False)
+        choice = policy.prefill_choice(facts, device, table_for(name, cap), Switches())
+        assert not choice.ours and f"no measured table for {name}" in choice.reason
+    assert table_for("NVIDIA H100 80GB HBM3", (9, 0)) is H200
+    off = policy.prefill_choice(facts, HOPPER, H200, Switches(prefill_disable=True))
+    assert not off.ours and "DSV4_PREFILL_DISABLE" in off.reason
+    assert not policy.prefill_choice(facts, HOPPER, H200, Switches(max_heads=4)).ours
+    assert not policy.prefill_choice(facts, HOPPER, H200, Switches(max_heads=0)).ours
+    wide = _facts(4, 64)
+    assert policy.prefill_choice(wide, HOPPER, H200, Switches(max_heads=128)).reason == "every step"
+    at16 = policy.prefill_choice(_facts(4, 16), HOPPER, H200, Switches(max_heads=16))
+    assert at16.ours and at16.reason == "every step"
+
+
+def test_prefill_step_takes_ours_by_heads_and_mean_keys() -> None:
+    """Within a kind's head limit every step is ours; a C4A layer above it only in steps
+    whose rows average at most the measured mean (unknown lengths: vLLM's)."""
+    limits = H200.prefill
+    for facts in (_facts(4, 8), _facts(1, 16), _facts(128, 16)):
+        for mean in (None, 0.0, 512.0, 513.0, 1152.0):
+            assert policy.prefill_step_takes_ours(facts, limits, Switches(), mean)
+    wide = _facts(4, 16)
+    assert policy.prefill_step_takes_ours(wide, limits, Switches(), 248.0)
+    assert policy.prefill_step_takes_ours(wide, limits, Switches(), 512.0)
+    assert not policy.prefill_step_takes_ours(wide, limits, Switches(), 512.5)
+    assert not policy.prefill_step_takes_ours(wide, limits, Switches(), 1152.0)
+    assert not policy.prefill_step_takes_ours(wide, limits, Switches(), None)
+    assert policy.prefill_step_takes_ours(wide, limits, Switches(max_heads=16), None)
+    # (asked only of kinds whose prefill is ours: under DSV4_PREFILL_MAX_HEADS=8 the
+    # 16-head C4A kind is not, test_prefill_choice_off_where_nothing_was_measured_faster)
+    assert not policy.prefill_choice(wide, HOPPER, H200, Switches(max_heads=8)).ours
+
+
+@pytest.mark.parametrize("topk", [512, 8])
+def test_c4a_mean_keys_counts_each_tokens_valid_keys(topk: int) -> None:
+    """Closed form vs. counting: position ``p`` reads ``min(p + 1, 128)`` window keys and
+    ``min((p + 1) // 4, topk)`` compressed ones, past the window and past 4 x top-k."""
+    g = generator(fresh_seed())
+    for _ in range(20):
+        n = int(torch.randint(1, 4, (1,), generator=g))
+        seq = [int(s) for s in torch.randint(1, 3000, (n,), generator=g)]
+        qlen = [int(torch.randint(1, s + 1, (1,), generator=g)) for s in seq]
+        keys = [
+            min(p + 1, 128) + min((p + 1) // 4, topk)
+            for s, q in zip(seq, qlen, strict=True)
+            for p in range(s - q, s)
+        ]
+        got = policy.c4a_mean_keys(seq, qlen, 128, topk)
+        assert got == pytest.approx(sum(keys) / len(keys)), (seq, qlen)
+    assert policy.c4a_mean_keys([], [], 128, topk) == 0.0
+
+
 def test_c4a_short_row_rule_reads_vllms_step_metadata(
-    vllm_env: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+    no_warmup: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The rule for C4A layers at 9-16 heads on Hopper reads the host-side lengths of
-    vLLM's own ``DeepseekSparseSWAMetadata`` (chunks at different depths, decodes first)
-    and counts each prefill token's valid keys as the rows hold them."""
-    from dsv4_attention import vllm_backend as vb
-
+    vLLM's own ``DeepseekSparseSWAMetadata`` (chunks at different depths, decodes first),
+    counts each prefill token's valid keys as the rows hold them, and the runtime sends
+    the step to ours exactly when that mean is within the table's."""
     g = generator(fresh_seed())
     views, _ = vllm_dsv4_caches("BLHNC", available_bytes=96 << 20)
     caches = {v.kind: v.view for v in views}
     batch = _batch(g, 4, caches)
-    swa = batch["swa"]
+    swa, attn = batch["swa"], batch["attn"]
     buffer = batch["topk_buffer"]
-    layer = types.SimpleNamespace(
-        n_local_heads=16, compress_ratio=4, window_size=128, topk_indices_buffer=buffer
-    )
     topk = int(buffer.shape[-1])  # type: ignore[attr-defined]
     keys = [
         min(p + 1, 128) + min((p + 1) // 4, topk)
@@ -264,37 +444,79 @@ def test_c4a_short_row_rule_reads_vllms_step_metadata(
         for p in range(s - q, s)
     ]
     mean = sum(keys) / len(keys)
-    assert vb._step_mean_keys(layer, swa) == pytest.approx(mean)
-    # on Hopper (faked: 8 heads on C4A layers, 16 on the others) the threshold decides
-    monkeypatch.setattr(vb, "_default_max_heads", lambda ratio=4: 8 if ratio == 4 else 16)
-    monkeypatch.delenv(vb.ENV_MAX_HEADS, raising=False)
-    monkeypatch.setattr(vb, "C4A_SHORT_ROWS_MEAN_KEYS", int(mean))
-    assert not vb.use_head_exact(layer, swa)
-    monkeypatch.setattr(vb, "C4A_SHORT_ROWS_MEAN_KEYS", int(mean) + 1)
-    assert vb.use_head_exact(layer, swa)
+    assert policy.c4a_mean_keys(SEQ[2:], QLENS[2:], 128, topk) == pytest.approx(mean)
+    total = int(batch["total"])  # type: ignore[call-overload]
+    d = int(swa.num_decode_tokens)  # type: ignore[attr-defined]
+    q = torch.zeros(total, PADDED, 512, dtype=torch.bfloat16)
+    ran: list[str] = []
+    monkeypatch.setattr(vllm_calls, "run_prefill", lambda layer, *a: ran.append(layer.prefix))
+    edge = math.ceil(mean)  # the smallest whole threshold the step is within
+    for threshold, ours in ((edge - 1, False), (edge, True)):
+        limits = dataclasses.replace(H200.prefill, c4a_short_rows_mean_keys=threshold)
+        lines: list[str] = []
+        rt = _runtime(lines, table=dataclasses.replace(H200, prefill=limits))
+        layer = _layer(4, 16, buffer, g)  # type: ignore[arg-type]
+        facts = rt.facts(layer)
+        assert facts.heads > policy.prefill_heads_limit(facts, limits, rt.switches)
+        assert policy.prefill_step_takes_ours(facts, limits, rt.switches, mean) is ours
+        ran.clear()
+        took = rt.prefill(
+            layer, q[d:], caches["c4a"], caches["window"], torch.empty_like(q[d:]), attn, swa
+        )
+        assert took is ours and ran == ([layer.prefix] if ours else [])
+        state = rt.kinds[(4, 16)]
+        assert state.prefill.ours and f"at most {threshold} valid keys" in state.prefill.reason
+        # the mean the runtime used: vLLM's host lengths, once per step
+        assert rt._step.mean_keys == {(128, topk): pytest.approx(mean)}
+        assert rt._step_mean_keys(facts, swa) == pytest.approx(mean)
+        assert not [line for line in lines if "raised" in line], lines
+    # metadata without host lengths: the mean is unknown and the step is vLLM's
+    assert rt._step_mean_keys(facts, types.SimpleNamespace()) is None
 
 
-def test_active_line_names_the_c4a_short_row_rule(
-    vllm_env: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What ``vllm serve`` logs on Hopper (faked): both head limits and the row rule; a
-    set ``DSV4_PREFILL_MAX_HEADS`` is one limit for every layer, without the rule."""
-    from dsv4_attention import plugin
-    from dsv4_attention import vllm_backend as vb
+def test_kind_lines_name_the_c4a_short_row_rule(no_warmup: None) -> None:
+    """What each layer kind logs at start-up on Hopper: at 16 local heads the C4A line
+    names the short-row rule, SWA-only and C128A take every step; a set
+    ``DSV4_PREFILL_MAX_HEADS`` is one limit for every layer kind, without the rule."""
+    g = generator(fresh_seed())
+    buffer = torch.full((8, 512), -1, dtype=torch.int32)
+    q = torch.zeros(4, PADDED, 512, dtype=torch.bfloat16)
 
-    monkeypatch.setenv("DSV4_KERNELS_FORCE", "1")  # this CPU platform takes the CUDA set
-    monkeypatch.delenv(vb.ENV_MAX_HEADS, raising=False)
-    monkeypatch.setattr(vb, "_default_max_heads", lambda ratio=4: 8 if ratio == 4 else 16)
-    plugin.unregister()  # the plan checks vLLM's own functions, not ours in their place
-    try:
-        line = plugin._plan()[1]
+    def kind_lines(heads: int, switches: Switches) -> dict[int, str]:
+        lines: list[str] = []
+        rt = _runtime(lines, switches=switches)
+        for ratio in (1, 4, 128):
+            rt.prepare(_layer(ratio, heads, buffer, g), q)
+        assert sorted(rt.kinds) == [(r, heads) for r in (1, 4, 128)]
+        found = {
+            r: [line for line in lines if rt.kinds[(r, heads)].facts.kind_text + " layers" in line]
+            for r in (1, 4, 128)
+        }
+        assert all(len(v) == 1 for v in found.values()), lines
+        return {r: v[0] for r, v in found.items()}
+
+    pro = kind_lines(16, PREFILL_ONLY)
+    assert (
+        f"C4A layers, 16 local heads, DeepseekV4ForCausalLM: prefill ours ({SHORT_ROWS})" in pro[4]
+    )
+    for r in (1, 128):
+        assert "16 local heads" in pro[r] and "prefill ours (every step)" in pro[r], pro[r]
+    flash = kind_lines(8, PREFILL_ONLY)
+    assert all("prefill ours (every step)" in line for line in flash.values()), flash
+    # the switch as the plugin reads it from the environment
+    env = {"DSV4_PREFILL_MAX_HEADS": "16", "DSV4_DECODE_DISABLE": "1"}
+    switches = Switches.read(env)
+    assert switches == Switches(decode_disable=True, max_heads=16)
+    forced = kind_lines(16, switches)
+    assert all("prefill ours (every step)" in line for line in forced.values()), forced
+    assert not any("valid keys" in line for line in forced.values())
+    low = kind_lines(16, Switches.read({**env, "DSV4_PREFILL_MAX_HEADS": "8"}))
+    for line in low.values():
         assert (
-            "head-exact prefill on C4A layers up to 8 local heads, or 16 in steps whose rows "
-            f"average at most {vb.C4A_SHORT_ROWS_MEAN_KEYS} valid keys per token; on SWA-only "
-            "and C128A layers up to 16" in line
-        ), line
-        monkeypatch.setenv(vb.ENV_MAX_HEADS, "16")
-        line = plugin._plan()[1]
-        assert "head-exact prefill up to 16 local heads)" in line, line
-    finally:
-        plugin.register()  # as the module's fixture left it
+            "prefill vLLM's (16 local heads: vLLM's FlashMLA prefill is measured faster above 8"
+            in line
+        )
+    with pytest.raises(ValueError, match="DSV4_PREFILL_MAX_HEADS"):
+        Switches.read({"DSV4_PREFILL_MAX_HEADS": "sixteen"})
+    with pytest.raises(ValueError, match="DSV4_PREFILL_MAX_HEADS"):
+        Switches.read({"DSV4_PREFILL_MAX_HEADS": "-1"})

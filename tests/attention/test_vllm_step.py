@@ -14,6 +14,12 @@ vLLM's own code wherever it runs on a CPU:
   ``forward_mqa`` and vLLM's own workspace manager, which is then locked as
   vLLM locks it after warm-up.
 
+Every test drives the plugin's attention class over a fresh runtime
+(:class:`~dsv4_attention.runtime.HeadExactRuntime`, built as the plugin builds
+it: its device, its measured table, its access to vLLM's forward context,
+workspace manager, logger and dual-batch state), so no step state, scratch or
+layer-kind decision leaks from one test into the next.
+
 Checks: one plan per step (index builds counted), every layer's output against
 the pure-torch reference over its own tables, scratch reserved in the profile
 run and used by the largest step with the workspace locked, kernels compiled in
@@ -30,8 +36,12 @@ import pytest
 import torch
 
 import dsv4_kernels as dk
-from dsv4_attention import vllm_backend as vb
+from dsv4_attention import policy
+from dsv4_attention.facts import ServingConfig
+from dsv4_attention.policy import Switches
 from dsv4_attention.prefill import PrefillPlan, reference_forward_prefill
+from dsv4_attention.runtime import HeadExactRuntime, make_attention_cls
+from dsv4_attention.tables import table_for
 from dsv4_kernels.testing.common import fresh_seed, generator
 
 from ._vllm_hopper import hopper_attention_class
@@ -45,14 +55,42 @@ RATIOS = (1, 1, 4, 128, 4, 128, 4, 128)
 MAX_TOKENS = 64  # vLLM's max_num_batched_tokens for these tests
 MAX_MODEL_LEN = 4096
 # (the kernels run through Triton's interpreter here: sizes are kept small)
+SERVING = ServingConfig(
+    architectures=("DeepseekV4ForCausalLM",),
+    max_num_batched_tokens=MAX_TOKENS,
+    max_model_len=MAX_MODEL_LEN,
+)
+# These tests drive the prefill only: a runtime with decode off does not compile the
+# decode kernels at each layer kind's first contact (test_vllm_decode.py does).
+PREFILL_ONLY = Switches(decode_disable=True)
 
 
 @pytest.fixture(scope="module")
 def ours_cls() -> Iterator[type]:
-    """The plugin's attention class, as vLLM's patched selector returns it on Hopper."""
+    """The plugin's attention class, as vLLM's wrapped selector returns it on Hopper."""
     with hopper_attention_class() as cls:
         assert cls.__name__ == "Dsv4HeadExactFlashMLAAttention"
         yield cls
+
+
+def head_exact_cls(
+    plugin_cls: type,
+    serving: ServingConfig = SERVING,
+    switches: Switches = PREFILL_ONLY,
+) -> type:
+    """The plugin's construction over vLLM's FlashMLA class with a fresh runtime: the
+    device, measured table and access to vLLM of the runtime the plugin built
+    (``plugin_cls.dsv4_runtime``), this serving config and these switches."""
+    built: HeadExactRuntime = plugin_cls.dsv4_runtime
+    runtime = HeadExactRuntime(serving, built.device, built.table, switches, built.access)
+    return make_attention_cls(plugin_cls.__mro__[1], runtime)
+
+
+@pytest.fixture
+def fresh_cls(ours_cls: type) -> type:
+    """The plugin's attention class over a fresh runtime (nothing decided, reserved or
+    warmed up; no step state), decode off."""
+    return head_exact_cls(ours_cls)
 
 
 class Model:
@@ -228,15 +266,36 @@ def _reference(layer: types.SimpleNamespace, step: dict, q: torch.Tensor) -> tor
     )
 
 
-@pytest.fixture
-def fresh_backend() -> Iterator[None]:
-    """Each test starts with no step state, scratch or warm-up of an earlier test."""
-    saved_scratch = dict(vb._SCRATCH)
-    vb._SCRATCH.update(scratch=None, spec=None, refused=False)
-    vb._STEP.update(ref=None, dict_id=None, plan=None, keys={})
-    yield
-    vb._SCRATCH.update(saved_scratch)
-    vb._STEP.update(ref=None, dict_id=None, plan=None, keys={})
+def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """What the runtime warned (a step of ours that raised and went back to vLLM)."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.endswith("dsv4_attention") and r.levelname == "WARNING"
+    ]
+
+
+def test_plugin_runtime_is_the_one_the_tests_build_on(ours_cls: type) -> None:
+    """The runtime the plugin's start-up decision built on this (forced) CPU platform
+    decides as on the H200 with its measured table, and reaches vLLM's forward context
+    and workspace manager (the fresh runtimes below take the same)."""
+    from vllm.config import VllmConfig
+    from vllm.forward_context import set_forward_context
+
+    from dsv4_attention import plugin
+
+    rt = ours_cls.dsv4_runtime
+    assert isinstance(rt, HeadExactRuntime) and plugin.runtime() is rt
+    assert rt.device.capability == (9, 0) and rt.device.wgmma and rt.device.forced
+    assert rt.table is not None and rt.table is table_for("NVIDIA H200", (9, 0))
+    # read from the environment at the decision (the forcing switch only: nothing off)
+    assert rt.switches == Switches(force=True)
+    assert rt.access.forward_context() is None
+    assert rt.access.workspace() is None  # vLLM's workspace manager is not initialised
+    assert not rt.access.dual_batch()
+    with set_forward_context({}, VllmConfig()):
+        ctx = rt.access.forward_context()
+        assert ctx is not None and ctx.attn_metadata == {}
 
 
 def test_window_caches_form_two_groups_under_vllms_grouping() -> None:
@@ -244,10 +303,10 @@ def test_window_caches_form_two_groups_under_vllms_grouping() -> None:
     views, _ = vllm_dsv4_caches("BLHNC", available_bytes=48 << 20, ratios=RATIOS)
     groups = {v.group for v in views if v.kind == "window"}
     assert len(groups) == 2
-    assert 2 * len(groups) <= vb.WINDOW_ROW_SETS  # per-token and grouped rows of each
+    assert 2 * len(groups) <= policy.WINDOW_ROW_SETS  # per-token and grouped rows of each
 
 
-def test_one_plan_per_step_across_vllms_cache_groups(ours_cls: type, fresh_backend: None) -> None:
+def test_one_plan_per_step_across_vllms_cache_groups(fresh_cls: type) -> None:
     """Every layer of the step shares one plan although each window group has its own
     metadata object; the shared rows are built once per block table, every layer's
     output equals the reference over its own tables, and the next step starts anew."""
@@ -260,11 +319,12 @@ def test_one_plan_per_step_across_vllms_cache_groups(ours_cls: type, fresh_backe
     assert len(model.window_groups) == 2
     step = model.step([1, 1, 12, 7, 5], [300, 70, 1500, 2600, 40], num_decodes=2)
     q = torch.randn(step["total"], PADDED, 512, generator=g).to(torch.bfloat16)
+    rt = fresh_cls.dsv4_runtime
     plans = []
     with set_forward_context(step["dict"], VllmConfig()):
         for layer in model.layers:
-            out = _run_layer(ours_cls, layer, step, q)
-            plans.append(vb._STEP["plan"])
+            out = _run_layer(fresh_cls, layer, step, q)
+            plans.append(rt._step.plan)
             d = step["num_decode_tokens"]
             assert bool(out[:d].isnan().all()) and bool(out[d:, HEADS:].isnan().all())
             assert not bool(out[d:, :HEADS].isnan().any()), "a real head's row was not written"
@@ -275,7 +335,13 @@ def test_one_plan_per_step_across_vllms_cache_groups(ours_cls: type, fresh_backe
                 rtol=2e-2,
                 msg=lambda m, layer=layer: f"seed {seed}, {layer.prefix}: {m}",
             )
-    assert all(p is plans[0] for p in plans), "the plan was rebuilt within the step"
+    assert plans[0] is not None and all(p is plans[0] for p in plans), "plan rebuilt in the step"
+    # decided at first contact (no profile run here): every kind's prefill is ours, the
+    # plan's rows are views of the scratch reserved then (no workspace manager: torch's)
+    assert sorted(rt.kinds) == [(1, HEADS), (4, HEADS), (128, HEADS)]
+    assert all(state.prefill.ours for state in rt.kinds.values()), rt.kinds
+    assert not any(state.decode.ours for state in rt.kinds.values())  # switched off
+    assert plans[0].scratch is rt.prefill_scratch is not None
     # window rows once per window group; C128A rows once per C128A table; C4A rows are
     # each layer's own top-k (one launch per C4A layer, built with nothing else)
     c4a_layers = sum(1 for r in RATIOS if r == 4)
@@ -288,41 +354,68 @@ def test_one_plan_per_step_across_vllms_cache_groups(ours_cls: type, fresh_backe
     assert plans[0].launches - c4a_layers == len(set(RATIOS))
     step2 = model.step([3], [500], num_decodes=0)
     with set_forward_context(step2["dict"], VllmConfig()):
-        _run_layer(ours_cls, model.layers[0], step2, q[:3])
-    assert vb._STEP["plan"] is not plans[0]
+        out = _run_layer(fresh_cls, model.layers[0], step2, q[:3])
+    assert rt._step.plan is not None and rt._step.plan is not plans[0]
+    assert rt._step.plan.num_tokens == 3
+    torch.testing.assert_close(
+        out[:, :HEADS].float(),
+        _reference(model.layers[0], step2, q[:3]).float(),
+        atol=2e-2,
+        rtol=2e-2,
+    )
 
 
 def test_profile_run_reserves_what_the_largest_step_uses(
-    ours_cls: type, fresh_backend: None, monkeypatch: pytest.MonkeyPatch
+    fresh_cls: type, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """vLLM's profile run (its own forward_mqa without metadata, its own workspace
-    manager) reserves the prefill scratch and compiles the kernels; with the workspace
-    locked as after vLLM's warm-up, the largest step runs on those buffers alone."""
+    manager) decides every layer kind, reserves the prefill scratch and compiles the
+    kernels; with the workspace locked as after vLLM's warm-up, the largest step runs on
+    those buffers alone (vLLM's own prefill never runs, nothing is warned)."""
     from vllm.config import VllmConfig
     from vllm.forward_context import set_forward_context
     from vllm.v1.worker import workspace
 
-    from dsv4_attention.scratch import prefill_scratch_sizes
+    from dsv4_attention.scratch import prefill_scratch_sizes, scratch_bytes
+    from dsv4_kernels import sparse_mla
 
     g = generator(fresh_seed())
     model = Model(g, ratios=(1, 1, 4, 128))
+    rt = fresh_cls.dsv4_runtime
+    base = fresh_cls.__mro__[1]
     # the one accelerator call of vLLM's manager (releasing cached memory before it
     # grows) has nothing to release on a CPU and raises there
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
     workspace.init_workspace_manager(torch.device("cpu"))
     try:
-        vb.WARMED.clear()
-        with set_forward_context(None, VllmConfig()):
+        with set_forward_context(None, VllmConfig()), caplog.at_level("INFO"):
             for layer in model.layers:
-                layer.PREFILL_CHUNK_SIZE = ours_cls.PREFILL_CHUNK_SIZE
+                layer.PREFILL_CHUNK_SIZE = fresh_cls.PREFILL_CHUNK_SIZE
                 q = torch.zeros(MAX_TOKENS, PADDED, 512, dtype=torch.bfloat16)
                 out = torch.full_like(q, 3.0)
-                ours_cls.forward_mqa(layer, q, None, torch.zeros(MAX_TOKENS), out)
+                fresh_cls.forward_mqa(layer, q, None, torch.zeros(MAX_TOKENS), out)
                 assert bool((out == 0).all())  # vLLM's profile path ran (it zeroes)
-        assert {key[1:3] for key in vb.WARMED} == {(HEADS, r) for r in (1, 4, 128)}
+        # every kind decided in the profile run, its kernels compiled there
+        assert sorted(rt.kinds) == [(1, HEADS), (4, HEADS), (128, HEADS)]
+        for state in rt.kinds.values():
+            assert state.prefill.ours and state.prefill.reason == "every step", state
+            assert state.warmup_seconds > 0
+        kind_lines = [r.getMessage() for r in caplog.records if "local heads" in r.getMessage()]
+        assert len(kind_lines) == 3 and all("prefill ours" in line for line in kind_lines)
+        # the scratch: the largest step of every kind, reserved once, from vLLM's manager
+        group = sparse_mla.prefill_group_size(torch.zeros(1, HEADS, 512, dtype=torch.bfloat16))
+        spec = rt.prefill_scratch.spec
+        assert spec == policy.prefill_scratch_spec(
+            [state.facts for state in rt.kinds.values()], group
+        )
+        assert spec.max_tokens == MAX_TOKENS and spec.max_heads == HEADS
+        assert spec.c4a_topk == 512 and spec.c128a_width == 128  # 4096 / 128 -> 32 -> 128
+        assert rt.reserved == {"prefill": scratch_bytes(spec)}
+        memory = [
+            r.getMessage() for r in caplog.records if "from vLLM's workspace" in r.getMessage()
+        ]
+        assert len(memory) == 1 and f"budget {MAX_TOKENS} tokens" in memory[0], memory
         manager = workspace.current_workspace_manager()
-        spec = vb._SCRATCH["spec"]
-        assert spec is not None and spec.max_tokens == MAX_TOKENS
         # vLLM's manager keys a persistent tensor as (torch.Tensor, our key)
         reserved = {
             key[1][1]: tensor
@@ -330,66 +423,77 @@ def test_profile_run_reserves_what_the_largest_step_uses(
             if key[1][0] == "dsv4_attention.prefill"
         }
         assert set(reserved) == set(prefill_scratch_sizes(spec))
+        for name, tensor in reserved.items():
+            assert rt.prefill_scratch.buffers[name].data_ptr() == tensor.data_ptr(), name
         workspace.lock_workspace()
+        monkeypatch.setattr(
+            base, "_forward_prefill", lambda self, **kw: pytest.fail("vLLM's prefill ran")
+        )
+        caplog.clear()
         # the largest step: MAX_TOKENS prefill tokens, the longest context
         step = model.step([MAX_TOKENS - 16, 16], [MAX_MODEL_LEN, 900], num_decodes=0)
         q = torch.randn(step["total"], PADDED, 512, generator=g).to(torch.bfloat16)
-        with set_forward_context(step["dict"], VllmConfig()):
+        with set_forward_context(step["dict"], VllmConfig()), caplog.at_level("INFO"):
             for layer in model.layers:
-                out = _run_layer(ours_cls, layer, step, q)
-                assert not vb._SCRATCH["refused"], "a step needed more than the profile run"
+                out = _run_layer(fresh_cls, layer, step, q)
                 assert not bool(out[:, :HEADS].isnan().any()), "a row was not written"
                 torch.testing.assert_close(
                     out[:, :HEADS].float(), _reference(layer, step, q).float(), atol=2e-2, rtol=2e-2
                 )
-        plan = vb._STEP["plan"]
-        assert plan.scratch is vb._SCRATCH["scratch"]
-        buffers = [t for t in reserved.values()]
-        for rows in plan._rows.values():
-            for tensor in rows[1:]:
-                assert any(
-                    b.data_ptr() <= tensor.data_ptr() < b.data_ptr() + b.numel() * b.element_size()
-                    for b in buffers
-                ), "a row buffer of the step is not one vLLM's workspace reserved"
+        assert _warnings(caplog) == []
+        assert all(state.prefill.ours for state in rt.kinds.values()), rt.kinds
+        assert rt.prefill_scratch.spec is spec  # nothing reserved again
+        plan = rt._step.plan
+        assert plan is not None and plan.scratch is rt.prefill_scratch
+        buffers = list(reserved.values())
+        rows = [t for entry in plan._rows.values() for t in entry[1:]]
+        assert rows, "the plan built no rows"
+        for tensor in rows:
+            assert any(
+                b.data_ptr() <= tensor.data_ptr() < b.data_ptr() + b.numel() * b.element_size()
+                for b in buffers
+            ), "a row buffer of the step is not one vLLM's workspace reserved"
     finally:
         workspace.reset_workspace_manager()
 
 
 def test_foreign_cache_layout_keeps_vllms_path(
-    ours_cls: type, fresh_backend: None, caplog: pytest.LogCaptureFixture
+    fresh_cls: type, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A layer whose cache is not DSV4's 584-byte UE8M0 pages (here: a bf16-sized view,
-    as another model's layout would be) runs vLLM's own prefill, with one log line."""
+    as another model's layout would be) runs vLLM's own prefill, with one log line; its
+    kind stays ours (another layer with DSV4's pages runs ours in the same step)."""
     from vllm.config import VllmConfig
     from vllm.forward_context import set_forward_context
 
     g = generator(fresh_seed())
     model = Model(g, ratios=(1, 1))
-    layer = model.layers[0]
+    layer, other = model.layers
     foreign = torch.zeros(layer.swa_view.view.shape[0], 64, 1024, dtype=torch.uint8)
     layer.swa_view = types.SimpleNamespace(view=foreign, group=layer.swa_view.group)
     step = model.step([4], [200], num_decodes=0)
     called = []
-    base = ours_cls.__mro__[1]
-    saved = base._forward_prefill
-    base._forward_prefill = lambda self, **kw: called.append(self.prefix)
-    try:
-        with set_forward_context(step["dict"], VllmConfig()), caplog.at_level("INFO"):
-            q = torch.randn(4, PADDED, 512, generator=g).to(torch.bfloat16)
-            _run_layer(ours_cls, layer, step, q)
-            _run_layer(ours_cls, layer, step, q)
-    finally:
-        base._forward_prefill = saved
+    base = fresh_cls.__mro__[1]
+    monkeypatch.setattr(base, "_forward_prefill", lambda self, **kw: called.append(self.prefix))
+    with set_forward_context(step["dict"], VllmConfig()), caplog.at_level("INFO"):
+        q = torch.randn(4, PADDED, 512, generator=g).to(torch.bfloat16)
+        _run_layer(fresh_cls, layer, step, q)
+        _run_layer(fresh_cls, layer, step, q)
+        out = _run_layer(fresh_cls, other, step, q)
     assert called == [layer.prefix, layer.prefix]
+    assert not bool(out[:, :HEADS].isnan().any())  # the other layer ran ours
     lines = [r.getMessage() for r in caplog.records if "keeps vLLM's attention" in r.getMessage()]
-    assert len(lines) == 1 and "584" in lines[0], lines
+    assert len(lines) == 1 and "584" in lines[0] and layer.prefix in lines[0], lines
+    assert fresh_cls.dsv4_runtime.kinds[(1, HEADS)].prefill.ours
+    assert _warnings(caplog) == []
 
 
 def test_dual_batch_overlap_keeps_vllms_path(
-    ours_cls: type, fresh_backend: None, monkeypatch: pytest.MonkeyPatch
+    fresh_cls: type, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """While vLLM overlaps two micro-batches (its ``dbo_enabled()``, read through the
-    plugin), the process-wide scratch would be shared: vLLM's own prefill runs."""
+    runtime's access to vLLM), the process-wide scratch would be shared: vLLM's own
+    prefill runs; the next step without overlap runs ours again."""
     from vllm.config import VllmConfig
     from vllm.forward_context import set_forward_context
     from vllm.v1.worker import ubatching
@@ -399,14 +503,15 @@ def test_dual_batch_overlap_keeps_vllms_path(
     layer = model.layers[0]
     step = model.step([4], [200], num_decodes=0)
     called = []
-    base = ours_cls.__mro__[1]
+    base = fresh_cls.__mro__[1]
     monkeypatch.setattr(base, "_forward_prefill", lambda self, **kw: called.append(1))
     q = torch.randn(4, PADDED, 512, generator=g).to(torch.bfloat16)
     with set_forward_context(step["dict"], VllmConfig()):
         monkeypatch.setitem(ubatching._THREAD_ID_TO_CONTEXT, threading.get_ident(), 0)
         assert ubatching.dbo_enabled()
-        _run_layer(ours_cls, layer, step, q)
+        _run_layer(fresh_cls, layer, step, q)
         assert called == [1]
         monkeypatch.delitem(ubatching._THREAD_ID_TO_CONTEXT, threading.get_ident())
-        out = _run_layer(ours_cls, layer, step, q)
+        out = _run_layer(fresh_cls, layer, step, q)
         assert called == [1] and not bool(out[:, :HEADS].isnan().any())
+    assert fresh_cls.dsv4_runtime.kinds[(1, HEADS)].prefill.ours

@@ -224,9 +224,7 @@ def decode_choice(
     return Choice(True, f"at the step sizes measured faster ({len(faster)} of {len(row)})")
 
 
-def decode_limits(
-    facts: Sequence[LayerFacts], serving: ServingConfig | None = None
-) -> tuple[int, int, int, int]:
+def decode_limits(facts: Sequence[LayerFacts]) -> tuple[int, int, int, int]:
     """(largest decode batch, local heads, widest row, widest window part) the decode
     scratch must hold for these layers: the token budget, their heads, and the widest
     row vLLM can build for any of them (DSpark's drafter rows included)."""

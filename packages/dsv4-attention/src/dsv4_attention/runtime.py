@@ -123,6 +123,8 @@ class HeadExactRuntime:
         self.prefill_scratch: PrefillScratch | None = None
         self.decode_scratch: Any = None
         self.reserved: dict[str, int] = {}
+        self._prefill_refusal = "no prefill scratch reserved"
+        self._decode_refusal = "no decode scratch reserved"
         self._reserved_once = False
         self._decode_limits: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._step = _Step()
@@ -209,14 +211,15 @@ class HeadExactRuntime:
                 self.prefill_scratch = self._prefill_buffers(spec, q.device, manager)
                 self.reserved["prefill"] = scratch_bytes(spec)
             except Exception as exc:  # vLLM's locked workspace, out of memory, ...
-                self.reserved["prefill failed"] = 0
                 self._prefill_refusal = f"no prefill scratch could be reserved ({exc})"
+                self.access.info(f"dsv4-attention: {self._prefill_refusal}")
         if decode:
             try:
                 self.decode_scratch = self._decode_buffers(decode, q.device, manager)
                 self.reserved["decode"] = 4 * int(self.decode_scratch.sizes.total)
             except Exception as exc:
                 self._decode_refusal = f"no decode scratch could be reserved ({exc})"
+                self.access.info(f"dsv4-attention: {self._decode_refusal}")
         if self.reserved:
             self.access.info(self.memory_line())
 
@@ -259,7 +262,7 @@ class HeadExactRuntime:
     def _fits_prefill(self, facts: LayerFacts) -> Choice | None:
         """None when the reserved prefill scratch holds this kind's largest step."""
         if self.prefill_scratch is None:
-            return Choice(False, getattr(self, "_prefill_refusal", "no prefill scratch reserved"))
+            return Choice(False, self._prefill_refusal)
         spec = self.prefill_scratch.spec
         need = policy.prefill_scratch_spec([facts], spec.max_group)
         if spec.merged(need) != spec:
@@ -269,7 +272,7 @@ class HeadExactRuntime:
     def _fits_decode(self, facts: LayerFacts) -> Choice | None:
         """None when the reserved decode scratch holds this kind's widest decode step."""
         if self.decode_scratch is None:
-            return Choice(False, getattr(self, "_decode_refusal", "no decode scratch reserved"))
+            return Choice(False, self._decode_refusal)
         need = policy.decode_limits([facts])
         if any(n > h for n, h in zip(need, self._decode_limits, strict=True)):
             return Choice(
@@ -387,12 +390,11 @@ class HeadExactRuntime:
                 (facts.compress_ratio, facts.heads),
                 KindState(facts, Choice(False, "not decided"), Choice(False, "not decided")),
             )
-            if state is not None:
-                reason = f"{what} raised {type(exc).__name__}"
-                if what in ("prefill", "start-up"):
-                    state.prefill = Choice(False, reason)
-                if what in ("decode", "start-up"):
-                    state.decode = Choice(False, reason)
+            reason = f"{what} raised {type(exc).__name__}"
+            if what in ("prefill", "start-up"):
+                state.prefill = Choice(False, reason)
+            if what in ("decode", "start-up"):
+                state.decode = Choice(False, reason)
         line = f"{what}/{kind}"
         if line not in self._warned:
             self._warned.add(line)
