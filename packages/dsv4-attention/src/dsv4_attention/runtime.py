@@ -527,7 +527,15 @@ def make_attention_cls(base: type, runtime: HeadExactRuntime) -> type:
     ``runtime`` first and otherwise call vLLM's own methods with the same arguments."""
     import sys
 
-    module = sys.modules[base.__module__]
+    # the module of vLLM's class whose ``_forward_decode`` looks the mapping up by name
+    module = next(
+        (
+            sys.modules[c.__module__]
+            for c in base.__mro__
+            if hasattr(sys.modules.get(c.__module__), "compute_global_topk_indices_and_lens")
+        ),
+        sys.modules[base.__module__],
+    )
 
     def _forward_prefill(
         self: Any,
