@@ -15,9 +15,12 @@ time per call is the replay's median over ``ROTATE``:
 * ``dsv4-kernels``: :func:`dsv4_kernels.sparse_mla_decode` (split over keys and
   combine, or the per-token kernel where the sizes say so), scratch allocated once;
 * ``flashmla-64h``: ``flash_mla_with_kvcache`` on heads padded to 64 as vLLM's
-  ``_forward_decode`` calls it (:mod:`.flashmla_decode`), when FlashMLA imports.
+  ``_forward_decode`` calls it (:mod:`.flashmla_decode`), when FlashMLA imports;
+* ``vllm-flashmla-decode``: the same call on vLLM 0.33's bundled FlashMLA
+  (:mod:`.flashmla_vllm`), into a preallocated output as vLLM 0.33 passes it, when
+  its staged files load.
 
-Both are checked first (outputs poisoned, every element written, no NaN, the last
+All are checked first (outputs poisoned, every element written, no NaN, the last
 set of the graph against the float32 reference).  ``floor``: the larger of the
 bytes (584 B and a 4-byte index per valid key, q, out, lse) at the measured copy
 bandwidth and the time per kernel of a graph replaying ``ROTATE`` empty kernels.
@@ -40,6 +43,7 @@ from .harness import FLOOR, BenchCase, Provider, Result
 KERNEL = "sparse_mla_decode"
 OURS = "dsv4-kernels"
 FLASHMLA = "flashmla-64h"
+VLLM_FLASHMLA = "vllm-flashmla-decode"
 SCALE = 512**-0.5
 CONTEXT = 131072
 C128A_WIDTH = CONTEXT // 128
@@ -139,11 +143,15 @@ def build_cases(
     from dsv4_kernels.testing import decode as td
     from dsv4_kernels.testing.common import fresh_seed
 
+    from . import flashmla_vllm
     from .flashmla_decode import PaddedFlashMLADecode, load_decode
 
     fns, why = load_decode()
     if fns is None:
         print(f"(FlashMLA decode provider unavailable: {why})")
+    vllm_fns, vllm_why = flashmla_vllm.load_decode()
+    if vllm_fns is None:
+        print(f"({VLLM_FLASHMLA} provider unavailable: {vllm_why})")
     gpu = device.type == "cuda"
     rotate = ROTATE if gpu else 2
     context = CONTEXT if gpu else 700
@@ -234,6 +242,20 @@ def build_cases(
 
             fm_replay = _graph([lambda i=i, f=fm: f.call(i) for i in range(rotate)], device)
             providers.append(Provider(FLASHMLA, fm_replay, fm_poison, fm_check))
+        if vllm_fns is not None and gpu and flashmla:
+            vfm = _vllm_decode(case, pool, sets, shape.name)
+            if vfm is not None:
+
+                def vfm_check(f: Any = vfm, w: Any = want, s: torch.Tensor = sample,
+                              n: str = shape.name, sd: int = seed) -> None:  # fmt: skip
+                    assert f.out is not None
+                    assert not torch.isnan(f.out.float()).any(), f"{n}: unwritten (NaN) output"
+                    o, l = f.outputs()
+                    assert not torch.isnan(l).any(), f"{n}: unwritten (NaN) lse"
+                    _assert_close((o[s], l[s]), w, f"vLLM 0.33 FlashMLA {n} (seed {sd})")
+
+                vfm_replay = _graph([lambda i=i, f=vfm: f.call(i) for i in range(rotate)], device)
+                providers.append(Provider(VLLM_FLASHMLA, vfm_replay, vfm.poison, vfm_check))
         keys = last.swa_lens.long() + (0 if last.comp_lens is None else last.comp_lens.long())
         floor_bytes = int(keys.sum()) * (584 + 4) + T * H * (1024 + 1024 + 4)
         splits = dk.decode.decode_splits(
@@ -269,6 +291,24 @@ def build_cases(
     return cases
 
 
+def _vllm_decode(case: Any, pool: Any, sets: list[Any], name: str) -> Any:
+    """vLLM 0.33's bundled decode on this case's pages (one call first, outside any graph:
+    it plans the tile schedule, and a refusal is reported for this case, not timed)."""
+    from . import flashmla_vllm
+
+    try:
+        fm = flashmla_vllm.decode_runner(
+            case.q, pool.swa.cache, None if pool.comp is None else pool.comp.cache, sets,
+            SCALE, case.sink,
+        )  # fmt: skip
+        fm.call(0)
+        torch.cuda.synchronize()
+    except (RuntimeError, ValueError, AssertionError) as exc:
+        print(f"({VLLM_FLASHMLA} unavailable for {name}: {type(exc).__name__}: {exc})")
+        return None
+    return fm
+
+
 def finalise(results: list[Result], launch_us: float) -> list[Result]:
     """Per call (each graph replay ran ``calls_per_graph`` calls) and the floor as the
     larger of bytes at bandwidth and one graph-replayed launch."""
@@ -293,16 +333,18 @@ def _geomean(xs: Sequence[float]) -> float:
 
 
 def summarise(results: Sequence[Result]) -> tuple[str, dict[str, Any]]:
-    """Markdown table (us per call, ratio FlashMLA / ours, floor) and the dispatch data:
-    per layer and head count, the step sizes (one token per request) where ours was
-    faster."""
+    """Markdown table (us per call, ratios FlashMLA / ours for the source-built FlashMLA and
+    vLLM 0.33's bundled one, floor) and the dispatch data: per layer and head count, the
+    step sizes (one token per request) where ours was faster than the source-built
+    FlashMLA."""
     rows: dict[str, dict[str, Result]] = {}
     for r in results:
         if r.kernel == KERNEL:
             rows.setdefault(r.case, {})[r.provider] = r
     lines = ["| case | layer | heads | tokens | per req | splits | ours us | FlashMLA us | "
-             "FlashMLA / ours | floor us | ours / floor |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "FlashMLA / ours | vLLM 0.33 FlashMLA us | vLLM 0.33 FlashMLA / ours | floor us | "
+             "ours / floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     groups: dict[tuple[str, int], dict[str, Any]] = {}
     for case, row in rows.items():
         ours = row.get(OURS)
@@ -311,11 +353,14 @@ def summarise(results: Sequence[Result]) -> tuple[str, dict[str, Any]]:
         p = ours.params
         fm = row.get(FLASHMLA)
         ratio = fm.p50_us / ours.p50_us if fm else float("nan")
+        vfm = row.get(VLLM_FLASHMLA)
+        v_ratio = vfm.p50_us / ours.p50_us if vfm else float("nan")
         floor = ours.floor_us
         lines.append(
             f"| {case} | {p['layer']} | {p['heads']} | {p['tokens']} | {p['per_request']} | "
             f"{p['splits']} | **{ours.p50_us:.2f}** | {fm.p50_us if fm else float('nan'):.2f} | "
-            f"{ratio:.2f}x | {floor:.2f} | {ours.p50_us / floor if floor else float('nan'):.2f}x |"
+            f"{ratio:.2f}x | {vfm.p50_us if vfm else float('nan'):.2f} | {v_ratio:.2f}x | "
+            f"{floor:.2f} | {ours.p50_us / floor if floor else float('nan'):.2f}x |"
         )
         if fm is None:
             continue

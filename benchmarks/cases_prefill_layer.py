@@ -20,7 +20,10 @@ Providers, each poisoned, run, checked on every token against the torch referenc
   in a step, which builds the shared rows);
 * ``flashmla-64h+gather``: vLLM's path at that layer, as ``cases_sparse_mla.py`` runs it:
   the workspace gathers and the index combine, then FlashMLA's sparse prefill on heads
-  padded to 64 (when FlashMLA imports; else reported unavailable).
+  padded to 64 (when FlashMLA imports; else reported unavailable);
+* ``vllm-flashmla-native+gather``: the same gathers and combine, then vLLM 0.33's bundled
+  FlashMLA (:mod:`.flashmla_vllm`) at the real heads (when its staged files load; else
+  reported unavailable).
 
 The rows here come from torch's caching allocator; in vLLM the plugin takes them from
 preallocated scratch.  ``floor``: the sparse MLA benchmark's byte count
@@ -38,11 +41,14 @@ import torch
 from .cases_metadata import fresh_seed
 from .cases_sparse_mla import (
     FLASHMLA_GATHER,
+    VLLM_FLASHMLA_GATHER,
     attention_provider,
     case_params,
     flashmla_available,
     flashmla_providers,
     floor_bytes,
+    vllm_flashmla_available,
+    vllm_flashmla_providers,
 )
 from .harness import BenchCase
 from .inputs_sparse_mla import SCALE, SWA_BLOCK, AttnInputs, AttnShape, make_inputs, shape_matrix
@@ -111,8 +117,9 @@ def reference(inp: AttnInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def layer_case(inp: AttnInputs, flashmla: bool) -> BenchCase:
-    """One case: our layer forward (plan reused, new plan) and vLLM's path at that layer."""
+def layer_case(inp: AttnInputs, flashmla: bool, vllm_flashmla: bool = False) -> BenchCase:
+    """One case: our layer forward (plan reused, new plan) and vLLM's path at that layer
+    (with the source-built FlashMLA and with vLLM 0.33's bundled one, where they load)."""
     from dsv4_attention.prefill import forward_prefill
     from dsv4_kernels.testing import sparse_mla as ts
 
@@ -142,6 +149,10 @@ def layer_case(inp: AttnInputs, flashmla: bool) -> BenchCase:
     ]
     if flashmla:
         providers += [p for p in flashmla_providers(inp, want, tokens) if p.name == FLASHMLA_GATHER]
+    if vllm_flashmla:
+        providers += [
+            p for p in vllm_flashmla_providers(inp, want, tokens) if p.name == VLLM_FLASHMLA_GATHER
+        ]
     return BenchCase(KERNEL, inp.shape.name, T, floor_bytes(inp), providers, case_params(inp))
 
 
@@ -149,7 +160,8 @@ def build_cases(
     device: torch.device, smoke: bool, shapes: Sequence[AttnShape] | None = None
 ) -> list[BenchCase]:
     flashmla = flashmla_available()
+    vllm_flashmla = vllm_flashmla_available()
     return [
-        layer_case(make_inputs(shape, device, fresh_seed()), flashmla)
+        layer_case(make_inputs(shape, device, fresh_seed()), flashmla, vllm_flashmla)
         for shape in (shapes if shapes is not None else (SMOKE if smoke else MATRIX))
     ]

@@ -29,7 +29,12 @@ NaN-free; a strided sample of tokens against the float32 reference):
 * ``flashmla-64h+gather``: what vLLM runs per layer and chunk: the two
   workspace gathers and the combine (our kernels: vLLM's CuTe-DSL gather takes
   0.94-1.04x their time and its Triton combine is slower, docs/plugin.md)
-  then FlashMLA.
+  then FlashMLA;
+* ``vllm-flashmla-native`` and ``vllm-flashmla-native+gather``: the same two with
+  vLLM 0.33's bundled FlashMLA (``vllm/_flashmla_C.abi3.so``, :mod:`.flashmla_vllm`)
+  at the real heads (8, 16, 32, 64 or 128 on SM90; others padded to the next),
+  writing into a preallocated output poisoned before the checked run (when its
+  files are staged, ``python3 -m benchmarks.support.fetch_vllm_flashmla``, and load).
 
 The case matrix, its inputs and the reference checks are in ``inputs_sparse_mla.py``
 (re-exported here), the FlashMLA provider in ``flashmla_provider.py``, the input
@@ -73,6 +78,8 @@ OURS_WS = "dsv4-kernels-workspace"
 OURS_GROUPED = "dsv4-kernels-grouped+index"
 FLASHMLA = "flashmla-64h"
 FLASHMLA_GATHER = "flashmla-64h+gather"
+VLLM_FLASHMLA = "vllm-flashmla-native"
+VLLM_FLASHMLA_GATHER = "vllm-flashmla-native+gather"
 
 
 def attention_provider(
@@ -127,6 +134,44 @@ def flashmla_providers(
     ]
 
 
+def vllm_flashmla_available() -> bool:
+    """Whether vLLM 0.33's bundled FlashMLA loads; says why not when it does not."""
+    from .flashmla_vllm import load_sparse_fwd
+
+    fn, why = load_sparse_fwd()
+    if fn is None:
+        print(f"({VLLM_FLASHMLA} provider unavailable: {why})")
+    return fn is not None
+
+
+def vllm_flashmla_providers(
+    inp: AttnInputs, want: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor
+) -> list[Provider]:
+    """vLLM 0.33's bundled FlashMLA (loaded) at the real heads: :data:`VLLM_FLASHMLA` on
+    the bf16 workspace and :data:`VLLM_FLASHMLA_GATHER` (the workspace gathers and the
+    combine, then the kernel).  One call first: a case the kernel refuses (a head count
+    it does not take, an ABI mismatch at the first call) is reported, not timed."""
+    from .flashmla_vllm import NativeFlashMLA
+
+    try:
+        fm = NativeFlashMLA(inp.q, inp.workspace, inp.combined, inp.combined_lens, SCALE, inp.sink)
+        fm()
+        torch.cuda.synchronize()
+    except (RuntimeError, ValueError) as exc:
+        print(f"({VLLM_FLASHMLA} unavailable for {inp.shape.name}: {type(exc).__name__}: {exc})")
+        return []
+
+    def vllm_layer() -> None:
+        inp.build_workspace()
+        inp.build_combined()
+        fm()
+
+    return [
+        attention_provider(name, run, fm.outputs, fm.poison, inp, want, tokens)
+        for name, run in ((VLLM_FLASHMLA, fm), (VLLM_FLASHMLA_GATHER, vllm_layer))
+    ]
+
+
 def index_build_provider(
     inp: AttnInputs, out: torch.Tensor, lse: torch.Tensor
 ) -> Callable[[], None]:
@@ -173,6 +218,7 @@ def build_cases(
     from dsv4_kernels.testing import sparse_mla as ts
 
     fmla = flashmla_available()
+    vllm_fmla = vllm_flashmla_available()
     cases = []
     for shape in shapes if shapes is not None else (SMOKE if smoke else MATRIX):
         seed = fresh_seed()
@@ -216,6 +262,8 @@ def build_cases(
             )
         if fmla:
             providers += flashmla_providers(inp, want, tokens)
+        if vllm_fmla:
+            providers += vllm_flashmla_providers(inp, want, tokens)
         params = {**case_params(inp), "group_size": group}
         cases.append(BenchCase(KERNEL, shape.name, T, floor_bytes(inp), providers, params))
     return cases

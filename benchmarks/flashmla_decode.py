@@ -38,6 +38,10 @@ class PaddedFlashMLADecode:
     ``comp_indices``, ``comp_lens``); ``call(i)`` runs set ``i`` (the benchmark
     rotates sets inside one CUDA graph).  ``outputs()`` gives the real heads of the
     last call, with FlashMLA's ``+inf`` lse of a row without keys as ``-inf``.
+    ``fns`` (another build's ``flash_mla_with_kvcache`` and ``get_mla_metadata``) and
+    ``out`` (write into a preallocated ``[T, 1, H_pad, 512]`` output, as vLLM 0.33 does,
+    which :meth:`poison` fills with NaN) serve vLLM's bundled FlashMLA
+    (:mod:`.flashmla_vllm`).
     """
 
     def __init__(
@@ -48,10 +52,14 @@ class PaddedFlashMLADecode:
         rows: list[Any],
         scale: float,
         attn_sink: torch.Tensor,
+        *,
+        fns: tuple[Callable[..., Any], Callable[..., Any]] | None = None,
+        out: bool = False,
     ) -> None:
-        fns, why = load_decode()
         if fns is None:
-            raise RuntimeError(why)
+            fns, why = load_decode()
+            if fns is None:
+                raise RuntimeError(why)
         self._fn, get_meta = fns
         T, H, D = q.shape
         self.heads = H
@@ -65,10 +73,12 @@ class PaddedFlashMLADecode:
         self.rows = rows
         self.scale = scale
         self.meta = get_meta()[0]
+        self.out = torch.empty_like(self.q) if out else None
         self.result: tuple[torch.Tensor, ...] = ()
 
     def call(self, i: int = 0) -> None:
         r = self.rows[i]
+        kw = {} if self.out is None else {"out": self.out}
         self.result = self._fn(
             q=self.q,
             k_cache=self.swa,
@@ -84,10 +94,20 @@ class PaddedFlashMLADecode:
             extra_k_cache=self.comp,
             extra_indices_in_kvcache=None if self.comp is None else r.comp_indices.unsqueeze(1),
             extra_topk_length=None if self.comp is None else r.comp_lens,
+            **kw,
         )
+
+    def poison(self) -> None:
+        """NaN into what the calls write: the preallocated output (else the last result's)
+        and the last result's lse (a CUDA graph's replays write the same tensors again)."""
+        targets = [t for t in (self.out, *self.result) if t is not None]
+        for t in {id(t): t for t in targets}.values():
+            t.fill_(float("nan"))
 
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = self.result  # [T, 1, hp, 512], [T, hp, 1]
+        if self.out is not None:  # the preallocated output the calls were given
+            out = self.out
         o = out[:, 0, : self.heads]
         lse = lse.reshape(lse.shape[0], -1)[:, : self.heads]
         return o, torch.where(torch.isposinf(lse), float("-inf"), lse)

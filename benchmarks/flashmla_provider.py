@@ -68,7 +68,10 @@ class PaddedFlashMLA:
     The padded query and sink are prepared once (vLLM's projection writes the
     padded query directly); a call runs only FlashMLA.  ``out``/``lse`` give
     the real heads' rows, with FlashMLA's ``+inf`` lse for a row without keys
-    turned into our ``-inf``.
+    turned into our ``-inf``.  ``fn`` and ``heads`` (another build's function, the
+    head count to run at; default: this FlashMLA, padded to 64/128) and ``out``
+    (write into a preallocated output, which :meth:`poison` fills with NaN) serve
+    vLLM's bundled FlashMLA (:mod:`.flashmla_vllm`).
     """
 
     def __init__(
@@ -79,14 +82,19 @@ class PaddedFlashMLA:
         lens: torch.Tensor,
         scale: float,
         attn_sink: torch.Tensor | None,
+        *,
+        fn: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+        heads: int | None = None,
+        out: bool = False,
     ) -> None:
-        fn, why = load_sparse_fwd()
         if fn is None:
-            raise RuntimeError(why)
+            fn, why = load_sparse_fwd()
+            if fn is None:
+                raise RuntimeError(why)
         self._fn = fn
         T, H, D = q.shape
         self.heads = H
-        hp = padded_heads(H)
+        hp = padded_heads(H) if heads is None else heads
         self.q = torch.zeros((T, hp, D), dtype=q.dtype, device=q.device)
         self.q[:, :H] = q
         self.sink = None
@@ -97,12 +105,26 @@ class PaddedFlashMLA:
         self.indices = indices.unsqueeze(1)
         self.lens = lens
         self.scale = scale
+        self.out = torch.empty((T, hp, 512), dtype=q.dtype, device=q.device) if out else None
         self.result: tuple[torch.Tensor, ...] = ()
 
     def __call__(self) -> None:
-        self.result = self._fn(self.q, self.kv, self.indices, self.scale, 512, self.sink, self.lens)
+        kw = {} if self.out is None else {"out": self.out}
+        self.result = self._fn(
+            self.q, self.kv, self.indices, self.scale, 512, self.sink, self.lens, **kw
+        )
+
+    def poison(self) -> None:
+        """Forget the last result; NaN into the preallocated output, where there is one."""
+        self.result = ()
+        if self.out is not None:
+            self.out.fill_(float("nan"))
 
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of the real heads; ``out`` from the preallocated output where there is
+        one (vLLM 0.33 reads that buffer, not the returned tensor)."""
         out, _max_logits, lse = self.result
+        if self.out is not None:
+            out = self.out
         lse = lse[:, : self.heads]
         return out[:, : self.heads], torch.where(torch.isposinf(lse), float("-inf"), lse)

@@ -2,7 +2,10 @@
 # One GPU session in one call, on a CUDA machine (torch, Triton, pytest, hypothesis,
 # pyyaml and matplotlib installed; no nox, no network needed):
 #   1. builds FlashMLA first when the tree carries it in .fmla (the sparse-MLA
-#      benchmark's FlashMLA provider imports it from /tmp/fmla);
+#      benchmark's FlashMLA provider imports it from /tmp/fmla), and says whether
+#      vLLM 0.33's bundled FlashMLA loads (the vllm-flashmla-* providers: carry
+#      .vllm_flashmla, staged by python3 -m benchmarks.support.fetch_vllm_flashmla,
+#      or set DSV4_VLLM_FLASHMLA), running each of its ops once;
 #   2. runs the README's GPU test command (log: $OUT/gpu-tests.log);
 #   3. runs the full kernel benchmark into $OUT (results.jsonl, table.md,
 #      plot.png; log: $OUT/bench.log).
@@ -27,6 +30,9 @@ if [ -d .fmla ]; then
     bash .fmla/build-on-gpu.sh
     build_rc=$?
 fi
+
+echo "== vLLM 0.33 bundled FlashMLA: python3 -m benchmarks.flashmla_vllm"
+PYTHONPATH="$SRC:." python3 -m benchmarks.flashmla_vllm
 
 echo "== GPU tests: PYTHONPATH=$SRC:. python3 -m pytest -m gpu"
 PYTHONPATH="$SRC:." python3 -m pytest -m gpu 2>&1 | tee "$OUT/gpu-tests.log"

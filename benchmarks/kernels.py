@@ -35,11 +35,21 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", default="", help="comma-separated kernel name substrings to run")
     p.add_argument("--smoke", action="store_true", help="force the small CPU-sized matrix")
     p.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per timing")
+    p.add_argument(
+        "--vllm-flashmla",
+        type=Path,
+        default=None,
+        help="folder with vLLM 0.33's bundled FlashMLA (vllm_flashmla/_flashmla_C.abi3.so and "
+        "flash_mla_interface.py; python3 -m benchmarks.support.fetch_vllm_flashmla stages it); "
+        "default $DSV4_VLLM_FLASHMLA, else .vllm_flashmla",
+    )
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.vllm_flashmla is not None:
+        os.environ["DSV4_VLLM_FLASHMLA"] = str(args.vllm_flashmla.resolve())
     import torch
 
     gpu = torch.cuda.is_available()
@@ -69,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"device: {env['gpu']}  torch {env['torch']}  triton {env['triton']}  sha {env['git_sha']}"
     )
+    from .flashmla_vllm import status as vllm_flashmla_status
+
+    env["vllm_flashmla"] = vllm_flashmla_status()
+    print(f"vLLM 0.33 bundled FlashMLA: {env['vllm_flashmla']}")
 
     builders = {
         "combine_topk_swa_indices": lambda: build_combine_cases(device, smoke),

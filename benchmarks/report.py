@@ -60,6 +60,11 @@ def write_table(results: Sequence[Result], env: dict[str, str], path: Path, comm
         f"GPU: {env['gpu']}; torch {env['torch']}; Triton {env['triton']}; git {env['git_sha']}; "
         f"copy bandwidth {env.get('copy_bandwidth_gbps', '?')} GB/s; mode {env.get('mode')}",
         "",
+        *(
+            [f"vLLM 0.33 bundled FlashMLA: {env['vllm_flashmla']}", ""]
+            if "vllm_flashmla" in env
+            else []
+        ),
         f"Command: `{command}`",
         "",
         "Times are medians in microseconds (GPU: triton.testing.do_bench; CPU smoke: wall clock);"

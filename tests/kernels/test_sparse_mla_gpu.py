@@ -1,12 +1,18 @@
 """GPU checks of sparse MLA with sink at benchmark sizes: against the float32 reference, paged
-against workspace, against FlashMLA (when built), 64-bit page offsets, one compiled kernel
-for every layer's view, CUDA graphs.  Run with ``python3 -m pytest -m gpu`` on a CUDA machine."""
+against workspace, against FlashMLA (when built) and vLLM 0.33's bundled FlashMLA (when
+staged), 64-bit page offsets, one compiled kernel for every layer's view, CUDA graphs.  Run
+with ``python3 -m pytest -m gpu`` on a CUDA machine.  (The bundled FlashMLA's loader tests
+need no GPU: ``-m gpu -k vllm_flashmla_loader`` runs them anywhere.)"""
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from benchmarks import cases_sparse_mla as cs
+from benchmarks import flashmla_vllm as fv
 from benchmarks.flashmla_provider import PaddedFlashMLA, load_sparse_fwd
 
 import dsv4_kernels as dk
@@ -94,6 +100,92 @@ def test_matches_flashmla(name: str, gpu: torch.device) -> None:
     fm = PaddedFlashMLA(inp.q, inp.workspace, inp.combined, inp.combined_lens, SCALE, inp.sink)
     fm()
     cs.assert_close_attention((out, lse), fm.outputs(), f"ours vs FlashMLA, seed {seed}")
+
+
+def test_vllm_flashmla_loader_says_why_without_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No staged folder: the bundled FlashMLA is unavailable, with a reason naming the folder
+    (or the missing GPU) and the fetch command; the matrix only prints it."""
+    monkeypatch.setenv(fv.ENV, str(tmp_path))
+    monkeypatch.setattr(fv, "_STATE", {})
+    module, why = fv.load()
+    assert module is None
+    assert str(tmp_path) in why and "fetch_vllm_flashmla" in why, why
+    if not torch.cuda.is_available():
+        assert "needs a CUDA GPU" in why, why
+    assert fv.load_sparse_fwd() == (None, why) and fv.load_decode() == (None, why)
+    assert fv.status() == f"unavailable: {why}"
+    assert cs.vllm_flashmla_available() is False
+    assert why in capsys.readouterr().out
+
+
+FAKE_INTERFACE = """
+import torch
+import vllm._flashmla_C
+flash_mla_cuda = torch.ops._flashmla_C
+EXTENSION = vllm._flashmla_C
+
+
+def flash_mla_sparse_fwd(*args, **kwargs): ...
+
+
+def flash_mla_with_kvcache(*args, **kwargs): ...
+
+
+def get_mla_metadata(*args, **kwargs): ...
+"""
+
+
+def test_vllm_flashmla_loader_imports_the_interface_without_vllm(tmp_path: Path) -> None:
+    """The interface's ``import vllm._flashmla_C`` is answered by the loaded extension, with
+    ``sys.modules`` as it was afterwards (no stub ``vllm`` left behind)."""
+    (tmp_path / fv.INTERFACE).write_text(FAKE_INTERFACE)
+    extension = type(sys)("vllm._flashmla_C")
+    before = {name: sys.modules.get(name) for name in ("vllm", fv.EXTENSION_MODULE)}
+    try:
+        module = fv.import_interface(tmp_path / fv.INTERFACE, extension)
+        assert module.EXTENSION is extension
+        assert all(callable(getattr(module, name)) for name in fv.FUNCTIONS)
+        assert {name: sys.modules.get(name) for name in before} == before
+    finally:
+        sys.modules.pop(fv.INTERFACE_MODULE, None)
+    (tmp_path / fv.INTERFACE).write_text(FAKE_INTERFACE.replace("def get_mla_metadata", "def x"))
+    with pytest.raises(ImportError, match="get_mla_metadata"):
+        fv.import_interface(tmp_path / fv.INTERFACE, extension)
+    assert {name: sys.modules.get(name) for name in before} == before
+
+
+VLLM_FLASHMLA_SHAPES = {
+    **FLASHMLA_SHAPES,
+    "h32-c4a": _shape("c4a", 32, topk=512),
+    "pro-tp8-c128a": _shape("c128a", 16, topk=1024),
+}
+
+
+@pytest.mark.parametrize("name", list(VLLM_FLASHMLA_SHAPES))
+def test_matches_vllm_flashmla_native(name: str, gpu: torch.device) -> None:
+    """vLLM 0.33's bundled ``flash_mla_sparse_fwd`` at the real heads (the benchmark's
+    ``vllm-flashmla-native``), into a poisoned output: every element written, equal to ours
+    on every token and to the float32 reference on a sample."""
+    fn, why = fv.load_sparse_fwd()
+    if fn is None:
+        pytest.skip(f"vLLM 0.33's FlashMLA not loadable here ({why}); the benchmark compares")
+    seed = fresh_seed()
+    inp = cs.make_inputs(VLLM_FLASHMLA_SHAPES[name], gpu, seed)
+    out, lse = _paged_against_reference(inp, gpu, f"paged, seed {seed}")
+    fm = fv.NativeFlashMLA(inp.q, inp.workspace, inp.combined, inp.combined_lens, SCALE, inp.sink)
+    assert fm.q.shape[1] == fv.native_heads(inp.q.shape[1], gpu)
+    fm.poison()
+    fm()
+    assert fm.out is not None
+    got = fm.outputs()  # read from fm.out, the buffer vLLM 0.33 passes and reads
+    _written(*got)
+    tokens = cs.check_tokens(out.shape[0], gpu)
+    label = f"vLLM 0.33 FlashMLA at {fm.q.shape[1]} heads, seed {seed}"
+    cs.assert_close_attention((got[0][tokens], got[1][tokens]), cs.reference_sample(inp, tokens),
+                              label)  # fmt: skip
+    cs.assert_close_attention(got, (out, lse), f"ours vs {label}")
 
 
 def test_pages_past_2_gib(gpu: torch.device) -> None:
