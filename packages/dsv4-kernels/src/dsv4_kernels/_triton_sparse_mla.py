@@ -32,7 +32,7 @@ load the FP8 codes as int32 words and dequantise four at a time in inline PTX
 8/16 heads and 1.12x faster at 64 heads on the H200 (one run, docs/attention.md).
 
 ``DOT_FP32`` up-casts the dot operands to fp32: Triton's interpreter
-computes ``tl.dot`` on bf16 operands wrongly (docs/design.md, "Where it runs"),
+computes ``tl.dot`` on bf16 operands wrongly (docs/design.md, "Where code runs"),
 and its bf16 multiplies too, so ``BF16_DEQUANT`` is off there.
 """
 
