@@ -42,7 +42,7 @@ from dsv4_attention.tables import table_for
 from dsv4_kernels.testing.common import fresh_seed, generator
 
 from .test_serving_configs import vllm_config
-from .test_vllm_step import PADDED, Model, ours_cls  # noqa: F401  (fixture)
+from .test_vllm_step import PADDED, Model, _reference, ours_cls  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.vllm
 
@@ -173,41 +173,6 @@ def _decode_reference(
         **comp,
     )
     return out
-
-
-def _prefill_reference(stack: Stack, lay: Any, step: dict, q: torch.Tensor) -> torch.Tensor:
-    """The pure-torch prefill of ``lay`` over the step's own tables, at the stack's heads."""
-    from dsv4_attention.prefill import PrefillPlan, reference_forward_prefill
-
-    md = step["dict"]
-    swa, attn = md[lay.swa_prefix], md.get(lay.prefix)
-    num_dec, d, H = swa.num_decodes, step["num_decode_tokens"], stack.heads
-    plan = PrefillPlan(
-        swa.query_start_loc[num_dec : num_dec + swa.num_prefills + 1],
-        swa.prefill_seq_lens,
-        num_tokens=swa.num_prefill_tokens,
-    )
-    comp: dict[str, Any] = {}
-    if lay.compress_ratio > 1:
-        comp = dict(
-            comp_cache=lay.comp_view.view,
-            comp_block_table=attn.block_table[num_dec:],
-            comp_block_size=256 // lay.compress_ratio,
-        )
-        if lay.compress_ratio == 4:
-            comp["topk_indices"] = lay.topk_indices_buffer[d:]
-        else:
-            comp["c128a_topk"] = attn.c128a_prefill_topk_indices.shape[-1]
-    return reference_forward_prefill(
-        q[d:, :H],
-        plan,
-        compress_ratio=lay.compress_ratio,
-        scale=lay.scale,
-        swa_cache=lay.swa_view.view,
-        swa_block_table=swa.block_table[num_dec:],
-        attn_sink=lay.attn_sink[:H],
-        **comp,
-    )
 
 
 @pytest.fixture
@@ -362,7 +327,7 @@ def test_steps_through_the_plugin(
                 if step["total"] > T:
                     torch.testing.assert_close(
                         out[T:, :heads].float(),
-                        _prefill_reference(stack, lay, step, q).float(),
+                        _reference(lay, step, q, stack.heads).float(),
                         atol=2e-2,
                         rtol=2e-2,
                         msg=lambda m, w=where: f"{w} (prefill): {m}",

@@ -233,7 +233,10 @@ def _run_layer(
     return out
 
 
-def _reference(layer: types.SimpleNamespace, step: dict, q: torch.Tensor) -> torch.Tensor:
+def _reference(
+    layer: types.SimpleNamespace, step: dict, q: torch.Tensor, heads: int = HEADS
+) -> torch.Tensor:
+    """The pure-torch prefill of ``layer`` over the step's own tables, on ``heads`` heads."""
     md = step["dict"]
     swa = md[layer.swa_prefix]
     attn = md.get(layer.prefix)
@@ -255,13 +258,13 @@ def _reference(layer: types.SimpleNamespace, step: dict, q: torch.Tensor) -> tor
         else:
             comp["c128a_topk"] = attn.c128a_prefill_topk_indices.shape[-1]
     return reference_forward_prefill(
-        q[d:, :HEADS],
+        q[d:, :heads],
         plan,
         compress_ratio=layer.compress_ratio,
         scale=layer.scale,
         swa_cache=layer.swa_view.view,
         swa_block_table=swa.block_table[num_dec:],
-        attn_sink=layer.attn_sink[:HEADS],
+        attn_sink=layer.attn_sink[:heads],
         **comp,  # type: ignore[arg-type]
     )
 
