@@ -1,43 +1,134 @@
-"""The decode dispatch table: the bracketing rule, the head mapping, and agreement with the
-curated H200 measurements it was made from."""
+"""The measured decode table: the H200 file against the curated measurement it was made from,
+the bracketing rule and the head mapping on a table built by hand, and which table a GPU
+gets."""
 
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
+import pytest
+
 from dsv4_attention import decode_table as dt
+from dsv4_attention import policy, tables
+from dsv4_attention.tables import DecodeTable
 
 ROOT = Path(__file__).resolve().parents[2]
 CURATED = ROOT / "docs" / "results" / "h200-decode" / "decode_table.json"
 
 
+def _h200_file() -> dict:
+    """The H200 table as shipped in the package (the file itself, not its parsed view)."""
+    path = resources.files("dsv4_attention").joinpath("tables", "NVIDIA_H200.json")
+    return json.loads(path.read_text())
+
+
 def test_table_is_the_curated_measurement() -> None:
-    data = json.loads(CURATED.read_text())
-    for layer, by_heads in dt.MEASURED.items():
-        for heads, steps in by_heads.items():
-            got = data[f"{layer}/{heads}"]
-            for t, ratio in steps.items():
-                want = min(got["ratios"][str(t)], got["mtp_ratios"].get(str(t), 99.0))
-                assert abs(ratio - want) < 0.006, (layer, heads, t, ratio, want)
+    """Every measured layer kind and head row up to the table's head limit is in the file,
+    with exactly the curated step sizes, each the smaller of the 1- and 2-token-per-request
+    ratios (rounded to 2 decimals); rows above the limit are left out."""
+    curated = json.loads(CURATED.read_text())
+    raw = _h200_file()["decode"]
+    assert raw["max_heads"] == dt.H200.max_heads == 16
+    assert raw["min_ratio"] == dt.H200.min_ratio == 1.0
+    want_rows = {
+        tuple(key.split("/")) for key in curated if int(key.split("/")[1]) <= raw["max_heads"]
+    }
+    got_rows = {(layer, str(h)) for layer, by in raw["ratios"].items() for h in by}
+    assert got_rows == want_rows == {(k, h) for k in ("swa", "c4a", "c128a") for h in ("8", "16")}
+    for layer, heads in sorted(want_rows):
+        measured = curated[f"{layer}/{heads}"]
+        steps = raw["ratios"][layer][heads]
+        assert set(steps) == set(measured["ratios"]), (layer, heads)
+        for t, ratio in steps.items():
+            want = min(measured["ratios"][t], measured["mtp_ratios"].get(t, 99.0))
+            assert abs(ratio - want) < 0.006, (layer, heads, t, ratio, want)
+    # the parsed views the plugin and the tools read hold the same numbers
+    assert {
+        layer: {int(h): {int(t): r for t, r in steps.items()} for h, steps in by.items()}
+        for layer, by in raw["ratios"].items()
+    } == dt.MEASURED
+    assert tables.table_for("NVIDIA H200", (9, 0)).decode == dt.H200  # type: ignore[union-attr]
+
+
+def test_curated_h200_steps_are_all_faster() -> None:
+    """On the H200 every measured step at 8 and 16 heads was faster (what the plugin's
+    H200 decisions rest on), so every step size up to the largest and beyond takes ours."""
+    for layer in ("swa", "c4a", "c128a"):
+        for heads in (1, 8, 9, 16):
+            row = dt.H200.row(layer, heads)
+            assert row is not None
+            assert dt.faster_steps(layer, heads) == tuple(sorted(row))
+            assert all(dt.use_head_exact_decode(layer, heads, t) for t in range(1, 2049))
+        assert not dt.use_head_exact_decode(layer, 17, 1)
+        assert not dt.use_head_exact_decode(layer, 64, 1)
+
+
+HAND = DecodeTable(
+    requires_wgmma=True,
+    max_heads=16,
+    min_ratio=1.0,
+    ratios={"swa": {8: {1: 1.2, 4: 1.1, 16: 0.9, 64: 1.5}, 16: {1: 0.8, 64: 1.2}}},
+)
 
 
 def test_bracketing_rule_and_heads() -> None:
-    saved = dt.MEASURED
-    try:
-        dt.MEASURED = {"swa": {8: {1: 1.2, 4: 1.1, 16: 0.9, 64: 1.5}, 16: {1: 0.8, 64: 1.2}}}
-        assert dt.use_head_exact_decode("swa", 8, 1) and dt.use_head_exact_decode(1, 3, 2)
-        assert dt.use_head_exact_decode("swa", 8, 4)
-        assert not dt.use_head_exact_decode("swa", 8, 5)  # between 4 (faster) and 16 (slower)
-        assert not dt.use_head_exact_decode("swa", 8, 16)
-        assert not dt.use_head_exact_decode("swa", 8, 17)  # between 16 and 64
-        assert dt.use_head_exact_decode("swa", 8, 64) and dt.use_head_exact_decode("swa", 8, 4096)
-        assert not dt.use_head_exact_decode("swa", 16, 1)
-        assert not dt.use_head_exact_decode("swa", 12, 32)
-        assert dt.use_head_exact_decode("swa", 12, 100)
-        assert not dt.use_head_exact_decode("swa", 17, 64)  # more than 16 heads: never
-        assert not dt.use_head_exact_decode("c4a", 8, 64)  # unmeasured layer
-        assert not dt.use_head_exact_decode("swa", 8, 0)
-        assert dt.faster_steps("swa", 8) == (1, 4, 64)
-    finally:
-        dt.MEASURED = saved
+    def use(layer: str | int, heads: int, tokens: int, table: DecodeTable = HAND) -> bool:
+        got = dt.use_head_exact_decode(layer, heads, tokens, table=table)
+        assert got == policy.decode_faster(table, layer, heads, tokens)  # one rule
+        return got
+
+    assert use("swa", 8, 1) and use(1, 3, 2)  # the ratio names the kind; 3 heads: row 8
+    assert use("swa", 8, 4)
+    assert not use("swa", 8, 5)  # between 4 (faster) and 16 (slower)
+    assert not use("swa", 8, 16)
+    assert not use("swa", 8, 17)  # between 16 and 64
+    assert not use("swa", 8, 63)
+    assert use("swa", 8, 64) and use("swa", 8, 4096)  # past the largest: the largest decides
+    assert not use("swa", 16, 1)
+    assert not use("swa", 12, 32)  # 12 heads: row 16
+    assert use("swa", 12, 100)
+    assert not use("swa", 17, 64)  # more than the table's head limit: never
+    assert not use("swa", 0, 64)
+    assert not use("c4a", 8, 64) and not use(4, 8, 64)  # unmeasured layer kind
+    assert not use(2, 8, 64)  # not a DSV4 layer kind
+    assert not use("swa", 8, 0) and not use("swa", 8, -1)
+    assert dt.faster_steps("swa", 8, HAND) == (1, 4, 64)
+    assert dt.faster_steps("swa", 16, HAND) == (64,)
+    assert dt.faster_steps("c4a", 8, HAND) == ()
+    # the bracketing at every step size: ours only at and between faster measured steps
+    assert [t for t in range(1, 100) if use("swa", 8, t)] == [1, 2, 3, 4, *range(64, 100)]
+    assert [t for t in range(1, 100) if use("swa", 16, t)] == list(range(64, 100))
+
+
+def test_min_ratio_is_the_threshold() -> None:
+    """A ratio at the threshold is not faster; the threshold is the table's."""
+    at_one = DecodeTable(True, 16, 1.0, {"c128a": {8: {1: 1.0, 8: 1.05}}})
+    assert not dt.use_head_exact_decode("c128a", 8, 1, table=at_one)
+    assert [t for t in range(1, 20) if dt.use_head_exact_decode(128, 8, t, table=at_one)] == list(
+        range(8, 20)
+    )
+    stricter = DecodeTable(True, 16, 1.1, {"c128a": {8: {1: 1.0, 8: 1.05}}})
+    assert not any(dt.use_head_exact_decode(128, 8, t, table=stricter) for t in range(1, 20))
+    assert dt.faster_steps(128, 8, stricter) == ()
+
+
+@pytest.mark.parametrize(
+    ("name", "capability", "found"),
+    [
+        ("NVIDIA H200", (9, 0), "NVIDIA H200"),
+        ("NVIDIA H100 80GB HBM3", (9, 0), "NVIDIA H200"),  # its family's table
+        ("NVIDIA H20", (9, 0), "NVIDIA H200"),
+        ("NVIDIA B200", (10, 0), None),
+        ("NVIDIA A100-SXM4-80GB", (8, 0), None),
+        ("NVIDIA RTX PRO 6000", (12, 0), None),
+        (None, None, None),
+    ],
+)
+def test_table_for_a_gpu(name: str | None, capability: tuple[int, int] | None, found: str) -> None:
+    table = tables.table_for(name, capability)
+    assert (None if table is None else table.device_name) == found
+    if table is not None:
+        assert table.family == "sm90" and table.combine
+        assert table.source.startswith("docs/results/h200-decode")

@@ -3,30 +3,48 @@
 vLLM's own pieces: cache views from vLLM's allocator and grouping, vLLM's
 metadata classes for a decode batch (window slots per token, global C128A
 slots, the C4A top-k mapped by vLLM's own ``compute_global_topk_indices_and_lens``,
-staged from the installed vLLM and run through Triton's interpreter), the
-plugin's subclass as vLLM's patched selector returns it on (faked) Hopper.
-FlashMLA cannot run on a CPU, so vLLM's own decode is observed by what it is
-called with; ours is compared with the pure-torch reference attention over
-exactly the indexed slots.
+staged from the installed vLLM and run through Triton's interpreter), vLLM's
+workspace manager for the scratch, and the attention class the plugin builds
+over vLLM's FlashMLA class (the plugin's own, as vLLM's wrapped selector returns
+it on faked Hopper, and the same construction over a fresh runtime per test:
+(faked) Hopper with the Gluon kernel, a measured table, the switches).  FlashMLA
+cannot run on a CPU, so vLLM's own decode is observed by what it is called with;
+ours is compared with the pure-torch reference attention over exactly the indexed
+slots.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import dsv4_kernels as dk
 from dsv4_attention import decode_table
-from dsv4_attention import vllm_backend as vb
+from dsv4_attention.facts import ServingConfig
+from dsv4_attention.policy import Device, Switches
+from dsv4_attention.runtime import HeadExactRuntime, VllmAccess, make_attention_cls
+from dsv4_attention.tables import DecodeTable, MeasuredTable, table_for
 from dsv4_kernels.testing.common import fresh_seed, generator
 
-from .test_vllm_step import HEADS, PADDED, Model, ours_cls  # noqa: F401  (fixture)
+from .test_vllm_step import HEADS, MAX_MODEL_LEN, MAX_TOKENS, PADDED, Model, ours_cls  # noqa: F401
 
 pytestmark = pytest.mark.vllm
+
+H200 = table_for("NVIDIA H200", (9, 0))
+assert H200 is not None
+HOPPER = Device("NVIDIA H200", (9, 0), wgmma=True)
+SERVING = ServingConfig(
+    architectures=("DeepseekV4ForCausalLM",),
+    max_num_batched_tokens=MAX_TOKENS,
+    max_model_len=MAX_MODEL_LEN,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +58,69 @@ def peer_topk(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
 
 
 @pytest.fixture
-def hopper(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process as a Hopper GPU with the Gluon wgmma kernel (what the table measured)."""
+def workspace(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """vLLM's own workspace manager on the CPU (reset afterwards)."""
+    from vllm.v1.worker import workspace as ws
+
+    # the one accelerator call of vLLM's manager (releasing cached memory before it
+    # grows) has nothing to release on a CPU and raises there
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    ws.init_workspace_manager(torch.device("cpu"))
+    try:
+        yield ws
+    finally:
+        ws.reset_workspace_manager()
+
+
+@dataclasses.dataclass
+class Built:
+    """A fresh runtime, the attention class over it, and the lines it logged."""
+
+    cls: type
+    runtime: HeadExactRuntime
+    info: list[str]
+    warning: list[str]
+
+
+@pytest.fixture
+def hopper(monkeypatch: pytest.MonkeyPatch, workspace: Any) -> Callable[..., Built]:
+    """A fresh runtime (``Device``, table and switches as given: by default an H200 with
+    the Gluon wgmma kernel, its measured table, no switches) reaching vLLM's workspace
+    manager, and the plugin's attention class over vLLM's FlashMLA class for it."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+    from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
+    from vllm.v1.worker.ubatching import dbo_enabled
+
     from dsv4_kernels import sparse_mla
 
-    monkeypatch.setattr(vb, "_device_major", lambda: 9)
+    # the Gluon kernel as built (what the table measured; the runtime checks it after
+    # each warm-up on a device that reports it)
     monkeypatch.setattr(sparse_mla, "wgmma_available", lambda: True)
-    monkeypatch.delenv(vb.ENV_DECODE_DISABLE, raising=False)
-    monkeypatch.setitem(vb._DECODE, "scratch", None)
-    monkeypatch.setitem(vb._DECODE, "key", None)
+
+    def build(
+        device: Device = HOPPER,
+        table: MeasuredTable | None = H200,
+        switches: Switches | None = None,
+    ) -> Built:
+        info: list[str] = []
+        warning: list[str] = []
+        access = VllmAccess(
+            forward_context=lambda: (
+                get_forward_context() if is_forward_context_available() else None
+            ),
+            workspace=lambda: (
+                workspace.current_workspace_manager()
+                if workspace.is_workspace_manager_initialized()
+                else None
+            ),
+            info=info.append,
+            warning=warning.append,
+            dual_batch=dbo_enabled,
+        )
+        rt = HeadExactRuntime(SERVING, device, table, switches or Switches(), access)
+        return Built(make_attention_cls(DeepseekV4FlashMLAAttention, rt), rt, info, warning)
+
+    return build
 
 
 def _decode_batch(model: Model, layer: types.SimpleNamespace, seq_lens: list[int], per_req: int):
@@ -128,7 +200,7 @@ def _decode_batch(model: Model, layer: types.SimpleNamespace, seq_lens: list[int
     return swa, attn, T
 
 
-def _reference(layer, swa, attn, q, peer_topk) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _reference(layer, swa, attn, q, peer_topk, heads=HEADS) -> torch.Tensor:  # type: ignore[no-untyped-def]
     comp: dict[str, object] = {}
     T = swa.num_decode_tokens
     if layer.compress_ratio == 4:
@@ -149,13 +221,13 @@ def _reference(layer, swa, attn, q, peer_topk) -> torch.Tensor:  # type: ignore[
     if comp:
         comp["comp_block_size"] = 256 // layer.compress_ratio
     out, _ = dk.reference.sparse_mla_paged(
-        q[:T, :HEADS],
+        q[:T, :heads],
         layer.swa_view.view,
         swa.decode_swa_indices,
         swa.decode_swa_lens,
         layer.scale,
         swa_block_size=64,
-        attn_sink=layer.attn_sink[:HEADS],
+        attn_sink=layer.attn_sink[:heads],
         **comp,  # type: ignore[arg-type]
     )
     return out
@@ -175,25 +247,56 @@ def _call(cls, layer, swa, attn, q, T):  # type: ignore[no-untyped-def]
     return out
 
 
+def _profile(cls: type, layer: types.SimpleNamespace) -> None:
+    """vLLM's profile run for one layer: its own ``forward_mqa`` without metadata (which
+    zeroes the output), after which the runtime has decided the layer's kind."""
+    from vllm.config import VllmConfig
+    from vllm.forward_context import set_forward_context
+
+    layer.PREFILL_CHUNK_SIZE = cls.PREFILL_CHUNK_SIZE
+    q = torch.zeros(MAX_TOKENS, PADDED, 512, dtype=torch.bfloat16)
+    out = torch.full_like(q, 3.0)
+    with set_forward_context(None, VllmConfig()):
+        cls.forward_mqa(layer, q, None, torch.zeros(MAX_TOKENS), out)
+    assert bool((out == 0).all())  # vLLM's profile path ran
+
+
 def test_signature_is_vllms(ours_cls: type) -> None:  # noqa: F811
+    """The plugin's class (as vLLM's wrapped selector returns it) keeps vLLM's decode
+    signature, holds the runtime the start-up decision built (forced: decided as on the
+    H200, with its table), and is the same construction the tests below build."""
+    from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
+
     base = ours_cls.__mro__[1]
+    assert base is DeepseekV4FlashMLAAttention
     assert inspect.signature(ours_cls._forward_decode).parameters.keys() == (
         inspect.signature(base._forward_decode).parameters.keys()
     )
+    rt = ours_cls.dsv4_runtime
+    assert isinstance(rt, HeadExactRuntime)
+    assert rt.table is H200 and rt.device.forced and rt.device.capability == (9, 0)
+    assert not rt.switches.decode_disable
+    fresh = make_attention_cls(base, rt)
+    for name in ("_forward_decode", "_forward_prefill", "forward_mqa"):
+        assert getattr(fresh, name).__code__ is getattr(ours_cls, name).__code__
 
 
 @pytest.mark.parametrize("per_req", [1, 2])
 def test_decode_matches_reference_where_the_table_takes_it(
-    ours_cls: type,  # noqa: F811
-    hopper: None,
+    hopper: Callable[..., Built],
+    workspace: Any,
     peer_topk,  # type: ignore[no-untyped-def]
     per_req: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """On faked Hopper, at step sizes the table takes, every layer type's decode is ours
-    (vLLM's FlashMLA call never made), equal to the reference, padded heads untouched."""
-    flashmla = ours_cls.__mro__[1]
-    module = inspect.getmodule(flashmla)
+    """On faked Hopper, after vLLM's profile run decided every layer kind (scratch from
+    vLLM's workspace, then locked as vLLM locks it), at step sizes the table takes, every
+    layer type's decode is ours (vLLM's FlashMLA call never made), equal to the
+    reference, padded heads untouched, nothing warned."""
+    from vllm.models.deepseek_v4.nvidia import flashmla as module
+
+    built = hopper()
+    flashmla = built.cls.__mro__[1]
     monkeypatch.setattr(module, "compute_global_topk_indices_and_lens", peer_topk)
     monkeypatch.setattr(
         flashmla, "_forward_decode", lambda self, **kw: pytest.fail("vLLM's decode ran")
@@ -202,12 +305,19 @@ def test_decode_matches_reference_where_the_table_takes_it(
     g = generator(seed)
     model = Model(g, ratios=(1, 4, 128))
     for layer in model.layers:
+        _profile(built.cls, layer)
+    rt = built.runtime
+    assert sorted(rt.kinds) == [(1, HEADS), (4, HEADS), (128, HEADS)]
+    assert all(state.decode.ours for state in rt.kinds.values()), built.info
+    assert rt.reserved["decode"] > 0
+    workspace.lock_workspace()
+    for layer in model.layers:
         layer.swa_cache_layer = types.SimpleNamespace(kv_cache=layer.swa_view.view)
         seqs = [300, 1400, 57][: 3 if per_req == 1 else 2]
         assert decode_table.use_head_exact_decode(layer.compress_ratio, HEADS, len(seqs) * per_req)
         swa, attn, T = _decode_batch(model, layer, seqs, per_req)
         q = torch.randn(T, PADDED, 512, generator=g).to(torch.bfloat16)
-        out = _call(ours_cls, layer, swa, attn, q, T)
+        out = _call(built.cls, layer, swa, attn, q, T)
         assert bool(out[:, HEADS:].isnan().all()), "padded heads were written"
         assert not bool(out[:, :HEADS].isnan().any())
         torch.testing.assert_close(
@@ -217,44 +327,76 @@ def test_decode_matches_reference_where_the_table_takes_it(
             rtol=2e-2,
             msg=lambda m, layer=layer: f"seed {seed} {layer.prefix}: {m}",
         )
+    assert built.warning == []
 
 
 def test_dispatch_follows_the_table_and_the_switch(
-    ours_cls: type,  # noqa: F811
-    hopper: None,
+    hopper: Callable[..., Built],
+    workspace: Any,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """vLLM's own decode runs where the table says FlashMLA was faster, with the switch
-    off, and off Hopper; ours elsewhere."""
-    flashmla = ours_cls.__mro__[1]
+    on, on Hopper without the Gluon kernel, off Hopper, and without a reserved scratch;
+    ours elsewhere."""
+    flashmla = hopper().cls.__mro__[1]
     called: list[int] = []
     monkeypatch.setattr(
         flashmla, "_forward_decode", lambda self, **kw: called.append(kw["q"].shape[0])
     )
     g = generator(fresh_seed())
     model = Model(g, ratios=(1, 1))
-    layer = model.layers[0]
-    layer.swa_cache_layer = types.SimpleNamespace(kv_cache=layer.swa_view.view)
-    # a table with a step where FlashMLA was faster (the curated run has none left at
-    # 8 and 16 heads): SWA-only at 16 heads slower from 65 to 255 tokens
-    table = {"swa": {8: {1: 1.3, 1024: 1.5}, 16: {1: 1.2, 64: 1.1, 128: 0.9, 256: 1.2}}}
-    monkeypatch.setattr(decode_table, "MEASURED", table)
-    slower = [t for t in range(1, 300) if not decode_table.use_head_exact_decode(1, 16, t)]
-    assert slower == list(range(65, 256))
-    layer.n_local_heads = 16
+    wide, narrow = model.layers  # 16 and 8 local heads, both SWA-only
+    wide.n_local_heads = 16
+    for layer in model.layers:
+        layer.swa_cache_layer = types.SimpleNamespace(kv_cache=layer.swa_view.view)
+    # a table with steps where FlashMLA was faster (the curated run has none left at 8
+    # and 16 heads): SWA-only at 16 heads slower from 17 to 63 tokens
+    ratios = {"swa": {8: {1: 1.3, 1024: 1.5}, 16: {1: 1.2, 16: 1.1, 32: 0.9, 64: 1.2}}}
+    table = dataclasses.replace(H200, decode=DecodeTable(True, 16, 1.0, ratios))
+    slower = [
+        t
+        for t in range(1, MAX_TOKENS + 1)
+        if not decode_table.use_head_exact_decode(1, 16, t, table=table.decode)
+    ]
+    assert slower == list(range(17, 64))
+    built = hopper(table=table)
+    q = torch.randn(MAX_TOKENS, PADDED, 512, generator=g).to(torch.bfloat16)
     T = slower[0]
-    swa, attn, _ = _decode_batch(model, layer, [60 + i % 4 for i in range(T)], 1)
-    q = torch.randn(T, PADDED, 512, generator=g).to(torch.bfloat16)
-    _call(ours_cls, layer, swa, attn, q, T)
+    swa, attn, _ = _decode_batch(model, wide, [60 + i % 4 for i in range(T)], 1)
+    _call(built.cls, wide, swa, attn, q, T)
     assert called == [T]
-    layer.n_local_heads = HEADS
-    swa, attn, _ = _decode_batch(model, layer, [300, 400], 1)
-    _call(ours_cls, layer, swa, attn, q, 2)
+    assert built.runtime.kinds[(1, 16)].decode.ours  # the step size decided, not the kind
+    assert "SWA-only layers, 16 local heads" in built.info[-1]
+    assert "decode ours (at the step sizes measured faster (3 of 4))" in built.info[-1]
+    # a step size measured faster at 16 heads: ours, on all 16 real heads
+    swa, attn, _ = _decode_batch(model, wide, [60 + i % 4 for i in range(T - 1)], 1)
+    out = _call(built.cls, wide, swa, attn, q, T - 1)
     assert called == [T], "a step the table takes went to vLLM's decode"
-    monkeypatch.setenv(vb.ENV_DECODE_DISABLE, "1")
-    _call(ours_cls, layer, swa, attn, q, 2)
-    assert called == [T, 2]
-    monkeypatch.delenv(vb.ENV_DECODE_DISABLE)
-    monkeypatch.setattr(vb, "_device_major", lambda: 10)  # Blackwell: not measured
-    _call(ours_cls, layer, swa, attn, q, 2)
-    assert called == [T, 2, 2]
+    assert not bool(out[:, :16].isnan().any()) and bool(out[:, 16:].isnan().all())
+    swa, attn, _ = _decode_batch(model, narrow, [300, 400], 1)
+    _call(built.cls, narrow, swa, attn, q, 2)
+    assert called == [T], "a step the table takes went to vLLM's decode"
+    assert built.warning == []
+
+    def vllms(**kwargs: Any) -> str:
+        """A fresh runtime's decode of the 8-head layer's 2-token step: vLLM's; the
+        runtime's decision line."""
+        fresh = hopper(**kwargs)
+        before = len(called)
+        _call(fresh.cls, narrow, swa, attn, q, 2)
+        assert called[before:] == [2], kwargs
+        assert fresh.warning == []
+        assert not fresh.runtime.kinds[(1, HEADS)].decode.ours
+        return fresh.info[-1]
+
+    monkeypatch.setenv("DSV4_DECODE_DISABLE", "1")
+    assert "decode vLLM's (DSV4_DECODE_DISABLE=1)" in vllms(switches=Switches.read())
+    monkeypatch.delenv("DSV4_DECODE_DISABLE")
+    no_gluon = Device("NVIDIA H200", (9, 0), wgmma=False)
+    assert "the Gluon wgmma kernel does not build here" in vllms(device=no_gluon)
+    blackwell = Device("NVIDIA B200", (10, 0))  # not measured
+    line = vllms(device=blackwell, table=table_for(blackwell.name, blackwell.capability))
+    assert "decode vLLM's (no measured table for NVIDIA B200)" in line
+    # no profile run before vLLM locked its workspace: no scratch, vLLM's decode
+    workspace.lock_workspace()
+    assert "decode vLLM's (no decode scratch could be reserved" in vllms()
