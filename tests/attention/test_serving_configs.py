@@ -216,6 +216,8 @@ def test_start_up_reserves_what_every_step_needs(
 ) -> None:
     heads, topk = MODELS[model]
     serving = read_serving_config(vllm_config(topk, budget, max_len, drafter))
+    assert (serving.max_num_batched_tokens, serving.max_model_len) == (budget, max_len)
+    assert serving.index_topk == topk and serving.architectures == ("DeepseekV4ForCausalLM",)
     if drafter is not None and drafter[0] == "dspark":
         from vllm.v1.attention.backends.mla.compressor_utils import get_dspark_swa_index_width
 

@@ -48,6 +48,7 @@ class ServingConfig:
         max_decode_query_len: tokens of the widest request vLLM treats as a decode.
         cudagraph_mode: vLLM's CUDA-graph mode by name (``FULL_AND_PIECEWISE``...).
         dbo: whether dual-batch overlap is enabled.
+        index_topk: the model's indexer top-k (0: not known).
     """
 
     architectures: tuple[str, ...] = ()
@@ -59,6 +60,7 @@ class ServingConfig:
     max_decode_query_len: int = 1
     cudagraph_mode: str = "NONE"
     dbo: bool = False
+    index_topk: int = 0
 
     @property
     def model_text(self) -> str:
@@ -107,6 +109,7 @@ def read_serving_config(vllm_config: Any) -> ServingConfig:
         max_decode_query_len=decode_len,
         cudagraph_mode="NONE" if mode is None else str(getattr(mode, "name", mode)),
         dbo=bool(_get(vllm_config, "parallel_config", "enable_dbo", default=False)),
+        index_topk=int(_get(hf, "index_topk", default=0) or 0),
     )
 
 

@@ -142,8 +142,10 @@ class HeadExactRuntime:
 
     def _model_kinds(self, facts: LayerFacts) -> list[LayerFacts]:
         """The facts of every DSV4 layer kind at this layer's heads and widths (the
-        model's other kinds share them: one top-k buffer, one context length)."""
-        return [dataclasses.replace(facts, compress_ratio=r) for r in LAYER_RATIOS]
+        model's other kinds share them: one top-k buffer, one context length; the
+        model's indexer top-k where this layer holds no top-k buffer)."""
+        topk = facts.topk or self.serving.index_topk
+        return [dataclasses.replace(facts, compress_ratio=r, topk=topk) for r in LAYER_RATIOS]
 
     def kind_state(self, layer: Any, q: torch.Tensor) -> KindState:
         """This layer's kind decision, made (reserving, warming up, logging) at first
