@@ -134,21 +134,6 @@ def layer(ratio: int, heads: int, topk: int, budget: int, max_len: int, i: int =
     )
 
 
-@pytest.fixture
-def workspace(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """vLLM's own workspace manager on the CPU (reset afterwards)."""
-    from vllm.v1.worker import workspace as ws
-
-    # the one accelerator call of vLLM's manager (releasing cached memory before it
-    # grows) has nothing to release on a CPU and raises there
-    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
-    ws.init_workspace_manager(torch.device("cpu"))
-    try:
-        yield ws
-    finally:
-        ws.reset_workspace_manager()
-
-
 def _access(ws: Any, lines: list[tuple[int, str]]) -> VllmAccess:
     from vllm.forward_context import get_forward_context, is_forward_context_available
     from vllm.v1.worker.ubatching import dbo_enabled

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import threading
 import types
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,16 +55,6 @@ CONFIGS = [
     (16, 1024, ("dspark", 7), 65536, 131072, "PIECEWISE", False, True),
     (8, 512, ("mtp", 2), 8192, 4096, "FULL_AND_PIECEWISE", True, True),
 ]
-
-
-@pytest.fixture(scope="module")
-def peer_topk(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """vLLM's own ``compute_global_topk_indices_and_lens`` (its Triton kernel)."""
-    from benchmarks.support import vllm_peer
-
-    folder = tmp_path_factory.mktemp("vllm_peer_steps")
-    vllm_peer.stage(Path(folder))
-    return vllm_peer.load(folder).compute_global_topk_indices_and_lens
 
 
 class Stack(Model):
@@ -173,18 +161,6 @@ def _decode_reference(
         **comp,
     )
     return out
-
-
-@pytest.fixture
-def workspace(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    from vllm.v1.worker import workspace as ws
-
-    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
-    ws.init_workspace_manager(torch.device("cpu"))
-    try:
-        yield ws
-    finally:
-        ws.reset_workspace_manager()
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -45,31 +44,6 @@ SERVING = ServingConfig(
     max_num_batched_tokens=MAX_TOKENS,
     max_model_len=MAX_MODEL_LEN,
 )
-
-
-@pytest.fixture(scope="module")
-def peer_topk(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    """vLLM's own ``compute_global_topk_indices_and_lens`` (its Triton kernel)."""
-    from benchmarks.support import vllm_peer
-
-    folder = tmp_path_factory.mktemp("vllm_peer_decode")
-    vllm_peer.stage(Path(folder))
-    return vllm_peer.load(folder).compute_global_topk_indices_and_lens
-
-
-@pytest.fixture
-def workspace(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """vLLM's own workspace manager on the CPU (reset afterwards)."""
-    from vllm.v1.worker import workspace as ws
-
-    # the one accelerator call of vLLM's manager (releasing cached memory before it
-    # grows) has nothing to release on a CPU and raises there
-    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
-    ws.init_workspace_manager(torch.device("cpu"))
-    try:
-        yield ws
-    finally:
-        ws.reset_workspace_manager()
 
 
 @dataclasses.dataclass
