@@ -86,8 +86,14 @@ def test_release_facts_are_one_table() -> None:
 
 # --- the policy, per device and measured table ----------------------------------------
 
-H200 = tables.table_for("NVIDIA H200", (9, 0))
-assert H200 is not None
+
+def _h200() -> tables.MeasuredTable:
+    table = tables.table_for("NVIDIA H200", (9, 0))
+    assert table is not None
+    return table
+
+
+H200 = _h200()
 HOPPER = Device("NVIDIA H200", (9, 0), wgmma=True)
 SERVING = ServingConfig(
     architectures=("DeepseekV4ForCausalLM",), max_num_batched_tokens=256, max_model_len=4096

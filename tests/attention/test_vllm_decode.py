@@ -36,8 +36,14 @@ from .test_vllm_step import HEADS, MAX_MODEL_LEN, MAX_TOKENS, PADDED, Model, our
 
 pytestmark = pytest.mark.vllm
 
-H200 = table_for("NVIDIA H200", (9, 0))
-assert H200 is not None
+
+def _h200() -> MeasuredTable:
+    table = table_for("NVIDIA H200", (9, 0))
+    assert table is not None
+    return table
+
+
+H200 = _h200()
 HOPPER = Device("NVIDIA H200", (9, 0), wgmma=True)
 SERVING = ServingConfig(
     architectures=("DeepseekV4ForCausalLM",),
@@ -50,7 +56,7 @@ SERVING = ServingConfig(
 class Built:
     """A fresh runtime, the attention class over it, and the lines it logged."""
 
-    cls: type
+    cls: Any  # the plugin's attention class
     runtime: HeadExactRuntime
     info: list[str]
     warning: list[str]
@@ -221,7 +227,7 @@ def _call(cls, layer, swa, attn, q, T):  # type: ignore[no-untyped-def]
     return out
 
 
-def _profile(cls: type, layer: types.SimpleNamespace) -> None:
+def _profile(cls: Any, layer: types.SimpleNamespace) -> None:
     """vLLM's profile run for one layer: its own ``forward_mqa`` without metadata (which
     zeroes the output), after which the runtime has decided the layer's kind."""
     from vllm.config import VllmConfig
@@ -235,7 +241,7 @@ def _profile(cls: type, layer: types.SimpleNamespace) -> None:
     assert bool((out == 0).all())  # vLLM's profile path ran
 
 
-def test_signature_is_vllms(ours_cls: type) -> None:  # noqa: F811
+def test_signature_is_vllms(ours_cls: Any) -> None:  # noqa: F811
     """The plugin's class (as vLLM's wrapped selector returns it) keeps vLLM's decode
     signature, holds the runtime the start-up decision built (forced: decided as on the
     H200, with its table), and is the same construction the tests below build."""
@@ -259,7 +265,7 @@ def test_signature_is_vllms(ours_cls: type) -> None:  # noqa: F811
 def test_decode_matches_reference_where_the_table_takes_it(
     hopper: Callable[..., Built],
     workspace: Any,
-    peer_topk,  # type: ignore[no-untyped-def]
+    peer_topk: Callable[..., Any],
     per_req: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -299,7 +305,7 @@ def test_decode_matches_reference_where_the_table_takes_it(
             _reference(layer, swa, attn, q, peer_topk).float(),
             atol=2e-2,
             rtol=2e-2,
-            msg=lambda m, layer=layer: f"seed {seed} {layer.prefix}: {m}",
+            msg=lambda m, prefix=layer.prefix: f"seed {seed} {prefix}: {m}",
         )
     assert built.warning == []
 
