@@ -235,7 +235,7 @@ def small() -> tuple[Scenario, StepInputs, PrefillPlan]:
 # (layer, change, message); the last two are sparse_mla_paged's own checks, which the
 # pure-torch reference forward does not repeat.
 BAD_LAYER_ARGS: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
-    ("swa", lambda kw: kw.update(compress_ratio=2), "compress_ratio must be one of"),
+    ("swa", lambda kw: kw.update(compress_ratio=3), "compress_ratio must be one of"),
     ("swa", lambda kw: kw.update(comp_cache=kw["swa_cache"]), "comp_cache must be given for"),
     ("c4a", lambda kw: kw.update(comp_cache=None), "comp_cache must be given for"),
     ("c4a", lambda kw: kw.update(topk_indices=None), "topk_indices .* is needed for C4A"),

@@ -17,7 +17,10 @@ from dsv4_attention import policy, vllm_calls
 from dsv4_attention.facts import LayerFacts, ServingConfig
 from dsv4_attention.policy import Device, Switches
 from dsv4_attention.prefill import PrefillPlan, forward_prefill, reference_forward_prefill
-from dsv4_attention.runtime import LAYER_RATIOS, HeadExactRuntime, VllmAccess
+from dsv4_attention.facts import FAMILY_RATIOS
+from dsv4_attention.runtime import HeadExactRuntime, VllmAccess
+
+LAYER_RATIOS = FAMILY_RATIOS["v4"]
 from dsv4_attention.scratch import (
     PrefillScratch,
     ScratchSpec,

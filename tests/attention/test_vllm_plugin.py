@@ -390,13 +390,13 @@ def test_model_runner_import_under_another_models_config(
             (
                 "INFO",
                 f"dsv4-attention {_our_version()}: inactive on vLLM {vllm.__version__}: the "
-                "model is LlamaForCausalLM; dsv4-attention acts on DeepSeek-V4 only",
+                "model is LlamaForCausalLM; dsv4-attention acts on DeepSeek-V4 and DeepSeek-V4.1 only",
             )
         ]
         assert records(report, "select") == []
         lines = plugin_lines(output)
         assert [m.group(1) for m in lines] == ["inactive"], output
-        assert "acts on DeepSeek-V4 only" in lines[0].string
+        assert "acts on DeepSeek-V4 and DeepSeek-V4.1 only" in lines[0].string
     else:
         assert at_import["waiting"] and at_import["select_wraps_vllms"]
         assert at_import["patched"] == [] and records(report, "import") == []

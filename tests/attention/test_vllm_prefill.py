@@ -467,7 +467,7 @@ def test_c4a_short_row_rule_reads_vllms_step_metadata(
         state = rt.kinds[(4, 16)]
         assert state.prefill.ours and f"at most {threshold} valid keys" in state.prefill.reason
         # the mean the runtime used: vLLM's host lengths, once per step
-        assert rt._step.mean_keys == {(128, topk): pytest.approx(mean)}
+        assert rt._step.mean_keys == {(128, topk, 4): pytest.approx(mean)}
         assert rt._step_mean_keys(facts, swa) == pytest.approx(mean)
         assert not [line for line in lines if "raised" in line], lines
     # metadata without host lengths: the mean is unknown and the step is vLLM's
@@ -513,8 +513,8 @@ def test_kind_lines_name_the_c4a_short_row_rule(no_warmup: None) -> None:
     low = kind_lines(16, Switches.read({**env, "DSV4_PREFILL_MAX_HEADS": "8"}))
     for line in low.values():
         assert (
-            "prefill vLLM's (16 local heads: vLLM's FlashMLA prefill is measured faster above 8"
-            in line
+            "prefill vLLM's (16 local heads: vLLM's FlashMLA prefill (padded to 64 heads) is "
+            "measured faster above 8" in line
         )
     with pytest.raises(ValueError, match="DSV4_PREFILL_MAX_HEADS"):
         Switches.read({"DSV4_PREFILL_MAX_HEADS": "sixteen"})

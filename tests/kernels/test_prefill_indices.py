@@ -253,7 +253,7 @@ def _meta_like(t: object) -> torch.Tensor:
         ),
         (lambda a: a.update(window_block_size=0), "window_block_size must be > 0"),
         (lambda a: a.update(window_size=0), "window_size must be > 0"),
-        (lambda a: a.update(compress_ratio=2), "compress_ratio must be None, 1, 4"),
+        (lambda a: a.update(compress_ratio=3), "compress_ratio must be None, 1 .SWA-only"),
         (lambda a: a.update(comp_block_table=None), "comp_block_table is needed"),
         (lambda a: a.update(topk_indices=None), "topk_indices .* is needed for C4A"),
         (lambda a: a.update(topk=99), r"topk \(99\) is wider than topk_indices"),
@@ -321,7 +321,7 @@ def test_cpu_tensors_use_the_reference_without_the_interpreter() -> None:
     code = (
         "import torch, dsv4_kernels as dk\n"
         "from dsv4_kernels import _triton_prefill_indices as k\n"
-        "from dsv4_kernels.prefill_indices import make_prefill_index_case\n"
+        "from dsv4_kernels.testing.prefill_indices import make_prefill_index_case\n"
         "def boom(*a, **kw): raise AssertionError('Triton kernel launched')\n"
         "class Boom:\n"
         "    def __getitem__(self, grid): return boom\n"

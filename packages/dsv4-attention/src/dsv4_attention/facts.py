@@ -19,12 +19,33 @@ from typing import Any
 
 from dsv4_kernels.geometry import KV_BLOCK_SIZE, WINDOW_SIZE, slots_per_page
 
+from .vllm_targets import V41_ARCHITECTURES
+
 __all__ = ["C128A_WIDTH_ALIGNMENT", "LayerFacts", "ServingConfig", "read_serving_config"]
 
 # vLLM rounds its C128A row width up to a multiple of this (``_C128A_TOPK_ALIGNMENT``)
 C128A_WIDTH_ALIGNMENT = 128
-KINDS = {1: "swa", 4: "c4a", 128: "c128a"}
-KIND_TEXT = {"swa": "SWA-only", "c4a": "C4A", "c128a": "C128A"}
+# Layer kinds by model family and vLLM's ``compress_ratio``: DeepSeek-V4 marks its
+# window-only layers 1; DeepSeek-V4.1 marks them 0 and its full-length compressed
+# layers 1 (its ratio-1 and ratio-2 layers read top-k rows, as V4's C4A).
+KINDS = {
+    "v4": {1: "swa", 4: "c4a", 128: "c128a"},
+    "v41": {0: "swa", 1: "c1a", 2: "c2a"},
+}
+FAMILY_RATIOS = {family: tuple(kinds) for family, kinds in KINDS.items()}
+TOPK_KINDS = ("c4a", "c1a", "c2a")
+KIND_TEXT = {
+    "swa": "SWA-only",
+    "c4a": "C4A",
+    "c128a": "C128A",
+    "c1a": "V4.1 full-length (ratio 1)",
+    "c2a": "V4.1 ratio-2",
+}
+
+
+def family_of(architectures: tuple[str, ...]) -> str:
+    """``"v41"`` for a DeepSeek-V4.1 model, else ``"v4"``."""
+    return "v41" if set(architectures) & set(V41_ARCHITECTURES) else "v4"
 
 
 def c128a_width(max_model_len: int) -> int:
@@ -49,6 +70,10 @@ class ServingConfig:
         cudagraph_mode: vLLM's CUDA-graph mode by name (``FULL_AND_PIECEWISE``...).
         dbo: whether dual-batch overlap is enabled.
         index_topk: the model's indexer top-k (0: not known).
+        family: ``"v4"`` (DeepSeek-V4) or ``"v41"`` (DeepSeek-V4.1): which vLLM class
+            the layers are (the plugin sets it from the selector that was called).
+        native_prefill: whether vLLM's bundled FlashMLA runs the sparse prefill at the
+            real heads on this GPU (vLLM 0.33 on SM90: 8, 16 or 32 heads).
     """
 
     architectures: tuple[str, ...] = ()
@@ -61,6 +86,8 @@ class ServingConfig:
     cudagraph_mode: str = "NONE"
     dbo: bool = False
     index_topk: int = 0
+    family: str = "v4"
+    native_prefill: bool = False
 
     @property
     def model_text(self) -> str:
@@ -99,8 +126,9 @@ def read_serving_config(vllm_config: Any) -> ServingConfig:
     # the model's, as resolved; the scheduler holds the same value (and the only one
     # where no model config is set)
     length = _get(model, "max_model_len") or _get(vllm_config, "scheduler_config", "max_model_len")
+    architectures = tuple(_get(model, "architectures", default=()) or ())
     return ServingConfig(
-        architectures=tuple(_get(model, "architectures", default=()) or ()),
+        architectures=architectures,
         max_num_batched_tokens=None if tokens is None else int(tokens),
         max_model_len=None if length is None else int(length),
         spec_method=None if spec is None else ("dspark" if is_dspark else str(method)),
@@ -110,6 +138,7 @@ def read_serving_config(vllm_config: Any) -> ServingConfig:
         cudagraph_mode="NONE" if mode is None else str(getattr(mode, "name", mode)),
         dbo=bool(_get(vllm_config, "parallel_config", "enable_dbo", default=False)),
         index_topk=int(_get(hf, "index_topk", default=0) or 0),
+        family=family_of(architectures),
     )
 
 
@@ -119,8 +148,10 @@ class LayerFacts:
 
     Attributes:
         name: vLLM's prefix of the layer.
-        compress_ratio: 1 (SWA-only), 4 (C4A) or 128 (C128A); another value is a
-            layer kind the plugin does not know (it keeps vLLM's path).
+        compress_ratio: vLLM's ratio: DeepSeek-V4 1 (SWA-only), 4 (C4A) or 128
+            (C128A); DeepSeek-V4.1 0 (SWA-only), 1 or 2 (top-k rows over a
+            full-length or ratio-2 compressed cache); another value is a layer kind
+            the plugin does not know (it keeps vLLM's path).
         heads: local query heads (vLLM pads them to 64 or 128 for FlashMLA).
         window: sliding window W.
         topk: the C4A rows' width (the indexer's top-k buffer), 0 without one.
@@ -129,6 +160,13 @@ class LayerFacts:
         decode_window_width: the widest window row a decode step can carry
             (DSpark's drafter rows are wider than the window).
         kv_cache_dtype: vLLM's cache dtype name.
+        family: ``"v4"`` or ``"v41"`` (the model family; it gives the ratio's kind).
+        pcp: whether vLLM runs prefill context parallelism on the layer.
+        padded_heads: the heads vLLM pads the queries to (64 or 128).
+        vllm_prefill_heads: the heads vLLM's own prefill computes (its V4.1 class
+            on SM90 runs the real 8, 16 or 32: ``_prefill_num_heads``; else padded).
+        native_prefill: whether vLLM's bundled FlashMLA can run the sparse prefill at
+            the real heads here (vLLM 0.33 on SM90), for V4 layers too.
     """
 
     name: str
@@ -140,11 +178,33 @@ class LayerFacts:
     max_tokens: int
     decode_window_width: int
     kv_cache_dtype: str | None = None
+    family: str = "v4"
+    pcp: bool = False
+    padded_heads: int = 64
+    vllm_prefill_heads: int = 64
+    native_prefill: bool = False
+
+    @property
+    def vllm_native(self) -> bool:
+        """Whether vLLM's own prefill of this layer already runs at the real heads."""
+        return self.vllm_prefill_heads == self.heads < self.padded_heads
 
     @property
     def kind(self) -> str | None:
-        """``"swa"``, ``"c4a"``, ``"c128a"``, or None for a ratio the plugin does not know."""
-        return KINDS.get(self.compress_ratio)
+        """``"swa"``, ``"c4a"``, ``"c128a"`` (V4), ``"swa"``, ``"c1a"``, ``"c2a"`` (V4.1),
+        or None for a ratio the plugin does not know."""
+        return KINDS.get(self.family, {}).get(self.compress_ratio)
+
+    @property
+    def topk_rows(self) -> bool:
+        """Whether the layer reads the indexer's top-k rows (C4A, V4.1's compressed)."""
+        return self.kind in TOPK_KINDS
+
+    @property
+    def kernel_ratio(self) -> int:
+        """The ``compress_ratio`` our kernels are given: 1 for window-only layers (V4.1's
+        0), else vLLM's (a ratio-1 layer with top-k rows is compressed)."""
+        return 1 if self.kind == "swa" else self.compress_ratio
 
     @property
     def kind_text(self) -> str:
@@ -153,14 +213,16 @@ class LayerFacts:
     @property
     def comp_width(self) -> int:
         """Columns of the compressed part of a row (0 for SWA-only layers)."""
-        return {"c4a": self.topk, "c128a": self.c128a_width}.get(self.kind or "", 0)
+        if self.topk_rows:
+            return self.topk
+        return self.c128a_width if self.kind == "c128a" else 0
 
     @property
     def comp_page_slots(self) -> int | None:
         """Compressed entries per cache page (None for SWA-only layers)."""
         if self.kind in (None, "swa"):
             return None
-        return slots_per_page(self.compress_ratio, KV_BLOCK_SIZE)
+        return slots_per_page(self.kernel_ratio, KV_BLOCK_SIZE)
 
     @property
     def decode_row_width(self) -> int:
@@ -181,14 +243,21 @@ class LayerFacts:
             )
         window = int(layer.window_size)
         dtype = getattr(layer, "kv_cache_dtype", None)
+        heads = int(layer.n_local_heads)
+        padded = int(getattr(layer, "padded_heads", None) or max(64, heads))
         return cls(
             name=str(getattr(layer, "prefix", "a DSV4 attention layer")),
             compress_ratio=int(layer.compress_ratio),
-            heads=int(layer.n_local_heads),
+            heads=heads,
             window=window,
             topk=0 if topk_buffer is None else int(topk_buffer.shape[-1]),
             c128a_width=c128a_width(int(max_model_len)),
             max_tokens=int(tokens),
             decode_window_width=max(window, serving.decode_window_width),
             kv_cache_dtype=None if dtype is None else str(dtype),
+            family=serving.family,
+            pcp=bool(getattr(layer, "use_pcp", False)),
+            padded_heads=padded,
+            vllm_prefill_heads=int(getattr(layer, "_prefill_num_heads", None) or padded),
+            native_prefill=serving.native_prefill,
         )

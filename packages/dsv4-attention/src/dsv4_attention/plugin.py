@@ -9,11 +9,14 @@ DeepSeek-V4 model:
 * :func:`register` reads the environment switches and vLLM's version, and
   otherwise installs an import hook;
 * vLLM's CUDA model runners import ``vllm.models.deepseek_v4`` in every worker
-  (their EPLB helpers do), whatever the model.  When that import happens, the
-  plugin checks the signatures of everything it may replace and then wraps only
-  ``_select_dsv4_attn_cls``, which vLLM calls only when it builds a DeepSeek-V4
-  attention layer, with a pass-through; where vLLM's current config already
-  names another model, it installs nothing and logs ``not active``;
+  (their EPLB helpers do), whatever the model; ``vllm.models.deepseek_v41`` is
+  imported where a DeepSeek-V4.1 model is built.  When one of them is imported,
+  the plugin checks the signatures of everything it may replace for that family
+  and then wraps only its ``_select_dsv4_attn_cls``, which vLLM calls only when
+  it builds an attention layer of that family, with a pass-through; where vLLM's
+  current config already names a model of neither family, it installs nothing
+  and logs ``not active`` (the other family's package, imported in passing, is
+  left alone);
 * the first call of that selector is the start-up decision: the served
   configuration is read once (``dsv4_attention.facts``), the GPU's measured
   table is looked up (``dsv4_attention.tables``; a GPU family never measured
@@ -23,7 +26,10 @@ DeepSeek-V4 model:
   ``dsv4-attention <version>: active for DeepseekV4ForCausalLM on vLLM <version> (...)``;
   each layer kind then logs its own decision in vLLM's profile run.  Any
   failure there replaces nothing and logs ``not active`` with the reason.
-  DeepSeek-V4.1 (its own selector) is never touched.
+  For DeepSeek-V4.1 the same runtime subclasses V4.1's own FlashMLA class
+  (its ops are never replaced); on vLLM 0.33 and SM90, V4 layers where the
+  measured table says so run vLLM's own prefill at the real heads
+  (``dsv4_attention.native``).
 
 Switches: ``DSV4_KERNELS_DISABLE=1`` turns the whole plugin off (the A/B
 switch ``dsv4 compare`` uses); ``DSV4_PREFILL_DISABLE=1`` / ``DSV4_DECODE_DISABLE=1``
@@ -36,6 +42,7 @@ torch references on CPU tensors).  Everything is reversible with
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -49,6 +56,7 @@ from types import ModuleType
 from typing import Any
 
 from . import vllm_targets as targets
+from .vllm_targets import V41_ARCHITECTURES
 
 ENV_DISABLE = "DSV4_KERNELS_DISABLE"
 ENV_FORCE = "DSV4_KERNELS_FORCE"
@@ -78,11 +86,12 @@ _APPLIED: list[_Patch] = []
 # the release facts, and what the decision built (the runtime object and our class).
 _STATE: dict[str, Any] = {
     "hook": None,
-    "trigger": None,
+    "triggers": {},  # family -> _Patch of its selector
     "decided": False,
     "facts": None,
     "runtime": None,
     "cls": None,
+    "family": None,
 }
 ENV_STARTUP_PLAN = "VLLM_ENABLE_STARTUP_PLAN"
 
@@ -132,25 +141,34 @@ def _say_inactive(reason: str, *, warning: bool) -> None:
 
 
 class _PatchAfterExec(importlib.abc.Loader):
-    """Runs vLLM's loader for the DSV4 package, then decides and patches."""
+    """Runs vLLM's loader for a DSV4 family's package, then installs its trigger."""
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
+    def __init__(self, loader: importlib.abc.Loader, family: str) -> None:
         self._loader = loader
+        self._family = family
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        _remove_hook()
-        _activate_safely()
+        hook = _STATE["hook"]
+        if hook is not None:
+            hook.packages.pop(module.__name__, None)
+            if not hook.packages:
+                _remove_hook()
+        _activate_safely(self._family)
 
     def __getattr__(self, name: str) -> Any:  # get_code, is_package, resource readers, ...
         return getattr(self._loader, name)
 
 
 class _Dsv4ImportHook(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the loader of ``vllm.models.deepseek_v4`` only."""
+    """Finds nothing itself; wraps the loaders of the DSV4 families' packages only
+    (``vllm.models.deepseek_v4``, ``vllm.models.deepseek_v41``)."""
+
+    def __init__(self, packages: dict[str, str]) -> None:
+        self.packages = packages  # package -> family, until imported
 
     def find_spec(
         self,
@@ -158,7 +176,8 @@ class _Dsv4ImportHook(importlib.abc.MetaPathFinder):
         path: Sequence[str] | None,
         target: ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != targets.DSV4_PACKAGE:
+        family = self.packages.get(fullname)
+        if family is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -170,7 +189,7 @@ class _Dsv4ImportHook(importlib.abc.MetaPathFinder):
             return None
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _PatchAfterExec(spec.loader)
+        spec.loader = _PatchAfterExec(spec.loader, family)
         return spec
 
 
@@ -183,13 +202,23 @@ def _remove_hook() -> None:
 
 # --- deciding and patching --------------------------------------------------------
 
-# Architectures the plugin acts on (vLLM's registry names of DeepSeek-V4 and its
-# drafter); DeepSeek-V4.1 (``DeepseekV41...``) has its own attention and is left alone.
+# Architectures the plugin acts on (vLLM's registry names), per family: DeepSeek-V4
+# and its drafter; DeepSeek-V4.1 and its DSpark drafter (its own attention class).
 V4_ARCHITECTURES = (
     "DeepseekV4ForCausalLM",
     "DeepseekV4ForConditionalGeneration",
     "DeepSeekV4MTPModel",
 )
+FAMILY_ARCHITECTURES = {"v4": V4_ARCHITECTURES, "v41": V41_ARCHITECTURES}
+FAMILY_TEXT = {"v4": "DeepSeek-V4", "v41": "DeepSeek-V4.1"}
+
+
+def _family_of(architectures: Sequence[str]) -> str | None:
+    """The DSV4 family vLLM's config names (None: neither)."""
+    for family, names in FAMILY_ARCHITECTURES.items():
+        if set(architectures) & set(names):
+            return family
+    return None
 
 
 def _check_signature(function: Any, name: str) -> None:
@@ -250,14 +279,18 @@ def _ops_patches() -> tuple[list[_Patch], list[str]]:
     return patches, names
 
 
-def _vllm_classes() -> tuple[ModuleType, Any, type]:
-    """vLLM's model module, its selector and its FlashMLA class, signatures checked."""
-    model = importlib.import_module(targets.MODEL_MODULE)
-    flashmla = importlib.import_module(targets.FLASHMLA_MODULE)
+def _vllm_classes(family: str) -> tuple[ModuleType, Any, type]:
+    """A family's model module, its selector and its FlashMLA class, signatures checked."""
+    _, model_module, flashmla_module = targets.FAMILY_MODULES[family]
+    model = importlib.import_module(model_module)
+    flashmla = importlib.import_module(flashmla_module)
     select = getattr(model, "_select_dsv4_attn_cls", None)
     base = getattr(flashmla, "DeepseekV4FlashMLAAttention", None)
     if not callable(select) or not isinstance(base, type):
-        raise _Refused("vLLM's DSV4 attention selector or FlashMLA attention class is missing")
+        raise _Refused(
+            f"vLLM's {FAMILY_TEXT[family]} attention selector or FlashMLA attention class is "
+            "missing"
+        )
     _check_signature(select, "_select_dsv4_attn_cls")
     for name in ("_forward_prefill", "forward_mqa", "_forward_decode"):
         _check_signature(getattr(base, name, None), name)
@@ -325,8 +358,34 @@ def _device(force: bool) -> Any:
     return Device(name, cap, wgmma=wgmma)
 
 
-def _activate(vllm_config: Any, base: type) -> None:
-    """The start-up decision (first call of vLLM's selector); never raises."""
+def _native_prefill(device: Any) -> bool:
+    """Whether vLLM's bundled FlashMLA runs the sparse prefill at the real heads here: a
+    release whose FlashMLA documents it (0.33), an SM90 GPU, and FlashMLA available in
+    this build (vLLM's own check)."""
+    if not _facts().native_prefill_heads or device.forced:
+        return False
+    if device.capability is None or device.capability[0] != 9:
+        return False
+    ops = importlib.import_module("vllm.v1.attention.ops.flashmla")
+    supported = getattr(ops, "is_flashmla_sparse_supported", None)
+    return callable(supported) and bool(supported()[0])
+
+
+def _native_patch() -> _Patch:
+    """vLLM's ``flash_mla_sparse_fwd`` in its V4 FlashMLA module, wrapped to compute the
+    real heads within ``native.real_heads`` (signature checked)."""
+    from .native import wrap_sparse_fwd
+
+    module = importlib.import_module(targets.FLASHMLA_MODULE)
+    original = getattr(module, "flash_mla_sparse_fwd", None)
+    if not callable(original):
+        raise _Refused(f"{targets.FLASHMLA_MODULE} has no function flash_mla_sparse_fwd")
+    _check_signature(original, "flash_mla_sparse_fwd")
+    return _Patch(module, "flash_mla_sparse_fwd", original, wrap_sparse_fwd(original))
+
+
+def _activate(vllm_config: Any, base: type, family: str = "v4") -> None:
+    """The start-up decision (first call of a family's selector); never raises."""
     _STATE["decided"] = True
     try:
         from . import tables
@@ -336,9 +395,10 @@ def _activate(vllm_config: Any, base: type) -> None:
 
         switches = Switches.read()
         serving = read_serving_config(vllm_config)
-        if serving.architectures and not set(serving.architectures) & set(V4_ARCHITECTURES):
+        if serving.architectures and _family_of(serving.architectures) != family:
             raise _Inactive(
-                f"the model is {serving.model_text}; dsv4-attention acts on DeepSeek-V4 only"
+                f"the model is {serving.model_text}; dsv4-attention acts on "
+                f"{FAMILY_TEXT[family]} layers only when vLLM's config names that model"
             )
         device = _device(switches.force)
         table = tables.table_for(device.name, device.capability)
@@ -351,8 +411,15 @@ def _activate(vllm_config: Any, base: type) -> None:
                 f"(measured: {measured}); vLLM's kernels run unchanged"
             )
         access = _access()
+        native = _native_prefill(device)
+        serving = dataclasses.replace(serving, family=family, native_prefill=native)
         runtime = HeadExactRuntime(serving, device, table, switches, access)
-        patches, names = _ops_patches() if table.combine else ([], [])
+        # V4.1 keeps its own ops: only V4's are replaced
+        patches, names = _ops_patches() if table.combine and family == "v4" else ([], [])
+        if family == "v4" and native and table.prefill.native_faster_heads:
+            patches.append(_native_patch())
+            heads = "/".join(str(h) for h in table.prefill.native_faster_heads)
+            names.append(f"flash_mla_sparse_fwd (vLLM's own, at the real heads at {heads} heads)")
         cls = make_attention_cls(base, runtime)
     except _Inactive as reason:
         _say_inactive(str(reason), warning=False)
@@ -366,10 +433,10 @@ def _activate(vllm_config: Any, base: type) -> None:
     for patch in patches:
         setattr(patch.module, patch.name, patch.replacement)
     _APPLIED.extend(patches)
-    _STATE.update(runtime=runtime, cls=cls)
+    _STATE.update(runtime=runtime, cls=cls, family=family)
     replaced = [
         *names,
-        "DeepseekV4FlashMLAAttention (head-exact prefill and decode per layer kind)",
+        f"{base.__module__}.{base.__name__} (head-exact prefill and decode per layer kind)",
     ]
     _logger().info(
         "dsv4-attention %s: active for %s on vLLM %s (%s, table %s); replaced: %s",
@@ -382,32 +449,44 @@ def _activate(vllm_config: Any, base: type) -> None:
     )
 
 
-def _install_trigger() -> None:
-    """At the import of vLLM's DSV4 package: leave a process serving another model
-    alone; otherwise wrap the selector with the start-up trigger (checked first)."""
+def _install_trigger(family: str) -> None:
+    """At the import of a family's package: leave a process serving a model of neither
+    family alone, and a package of the other family (imported in passing) untouched;
+    otherwise wrap the family's selector with the start-up trigger (checked first)."""
     served = _served_architectures()
-    if served and not set(served) & set(V4_ARCHITECTURES):
-        raise _Inactive(f"the model is {'/'.join(served)}; dsv4-attention acts on DeepSeek-V4 only")
-    model, select, base = _vllm_classes()
+    if served:
+        served_family = _family_of(served)
+        if served_family is None:
+            raise _Inactive(
+                f"the model is {'/'.join(served)}; dsv4-attention acts on DeepSeek-V4 and "
+                "DeepSeek-V4.1 only"
+            )
+        if served_family != family:
+            return
+    model, select, base = _vllm_classes(family)
 
     def _select_dsv4_attn_cls(vllm_config: Any) -> type:
         chosen = select(vllm_config)
         if not _STATE["decided"]:
-            _activate(vllm_config, base)
+            _activate(vllm_config, base, family)
         cls = _STATE["cls"]
-        return cls if cls is not None and chosen is base else chosen
+        if cls is not None and chosen is base and _STATE["family"] == family:
+            return cls
+        return chosen
 
     _select_dsv4_attn_cls.__wrapped__ = select  # type: ignore[attr-defined]
     model._select_dsv4_attn_cls = _select_dsv4_attn_cls  # type: ignore[attr-defined]
-    _STATE["trigger"] = _Patch(model, "_select_dsv4_attn_cls", select, _select_dsv4_attn_cls)
+    _STATE["triggers"][family] = _Patch(
+        model, "_select_dsv4_attn_cls", select, _select_dsv4_attn_cls
+    )
 
 
-def _activate_safely() -> None:
-    """At the import of vLLM's DSV4 package; any failure leaves vLLM exactly as it was."""
-    if _STATE["decided"] or _STATE["trigger"] is not None:
+def _activate_safely(family: str = "v4") -> None:
+    """At the import of a family's package; any failure leaves vLLM exactly as it was."""
+    if _STATE["decided"] or family in _STATE["triggers"]:
         return
     try:
-        _install_trigger()
+        _install_trigger(family)
     except _Inactive as reason:
         _say_inactive(str(reason), warning=False)
     except _Refused as reason:
@@ -443,12 +522,16 @@ def register() -> None:
                 warning=True,
             )
             return
-        if targets.DSV4_PACKAGE in sys.modules:
-            _activate_safely()
-            return
-        hook = _Dsv4ImportHook()
-        _STATE["hook"] = hook
-        sys.meta_path.insert(0, hook)
+        pending = {}
+        for family, (package, _, _) in targets.FAMILY_MODULES.items():
+            if package in sys.modules:
+                _activate_safely(family)
+            else:
+                pending[package] = family
+        if pending and not _STATE["decided"]:
+            hook = _Dsv4ImportHook(pending)
+            _STATE["hook"] = hook
+            sys.meta_path.insert(0, hook)
     except Exception as exc:  # never let the plugin stop vLLM
         _remove_hook()
         try:
@@ -464,10 +547,10 @@ def unregister() -> None:
         if getattr(patch.module, patch.name, None) is patch.replacement:
             setattr(patch.module, patch.name, patch.original)
     _APPLIED.clear()
-    trigger = _STATE["trigger"]
-    if trigger is not None and getattr(trigger.module, trigger.name, None) is trigger.replacement:
-        setattr(trigger.module, trigger.name, trigger.original)
-    _STATE.update(trigger=None, decided=False, facts=None, runtime=None, cls=None)
+    for trigger in _STATE["triggers"].values():
+        if getattr(trigger.module, trigger.name, None) is trigger.replacement:
+            setattr(trigger.module, trigger.name, trigger.original)
+    _STATE.update(triggers={}, decided=False, facts=None, runtime=None, cls=None, family=None)
 
 
 def patched() -> list[str]:
@@ -480,8 +563,8 @@ def patched() -> list[str]:
 
 
 def is_active() -> bool:
-    """Whether this process made the start-up decision for a DeepSeek-V4 model and runs
-    the plugin's runtime (its replacements in place)."""
+    """Whether this process made the start-up decision for a DeepSeek-V4 or V4.1 model
+    and runs the plugin's runtime (its replacements in place)."""
     return _STATE["runtime"] is not None
 
 
@@ -494,4 +577,4 @@ def runtime() -> Any:
 def waiting() -> bool:
     """Whether the selector trigger is installed and no decision was made yet (a process
     that imported vLLM's DSV4 package without building a DSV4 model)."""
-    return _STATE["trigger"] is not None and not _STATE["decided"]
+    return bool(_STATE["triggers"]) and not _STATE["decided"]

@@ -25,6 +25,7 @@ __all__ = [
     "decode_choice",
     "decode_faster",
     "decode_limits",
+    "native_prefill_choice",
     "prefill_choice",
     "prefill_heads_limit",
     "prefill_scratch_spec",
@@ -112,34 +113,57 @@ def prefill_heads_limit(
     facts: LayerFacts, limits: PrefillLimits, switches: Switches, *, short_rows: bool = False
 ) -> int:
     """Most local heads this layer kind takes the head-exact prefill at (in steps with
-    short C4A rows when ``short_rows``); ``DSV4_PREFILL_MAX_HEADS`` overrides."""
+    short top-k rows when ``short_rows``), measured against the prefill vLLM runs for it:
+    its padded call, or (``facts.vllm_native``: V4.1 on SM90 with vLLM 0.33) the bundled
+    FlashMLA at the real heads; ``DSV4_PREFILL_MAX_HEADS`` overrides."""
     if switches.max_heads is not None:
         return switches.max_heads
-    if facts.kind == "c4a":
+    if facts.vllm_native:
+        if facts.topk_rows:
+            return limits.native_topk_max_heads
+        return limits.native_shared_keys_max_heads
+    if facts.topk_rows:
         return max(limits.c4a_max_heads, limits.c4a_short_rows_max_heads if short_rows else 0)
     return limits.shared_keys_max_heads
+
+
+def _vllm_prefill_text(facts: LayerFacts) -> str:
+    if facts.vllm_native:
+        return f"vLLM's FlashMLA prefill at the real {facts.heads} heads"
+    return f"vLLM's FlashMLA prefill (padded to {facts.padded_heads} heads)"
+
+
+def _declined(facts: LayerFacts, device: Device, table: MeasuredTable | None) -> str | None:
+    """Why neither prefill nor decode of this layer kind can be ours, or None."""
+    if facts.kind is None:
+        return f"compress ratio {facts.compress_ratio} is not a DSV4 layer kind"
+    if facts.pcp:
+        return "prefill context parallelism runs vLLM's own attention"
+    if table is None:
+        return f"no measured table for {device.name or 'this device'}"
+    return None
 
 
 def prefill_choice(
     facts: LayerFacts, device: Device, table: MeasuredTable | None, switches: Switches
 ) -> Choice:
     """Whether this layer kind's prefill may take ours (decided once, at start-up)."""
-    if facts.kind is None:
-        return Choice(False, f"compress ratio {facts.compress_ratio} is not a DSV4 layer kind")
     if switches.prefill_disable:
         return Choice(False, f"{ENV_PREFILL_DISABLE}=1")
-    if table is None:
-        return Choice(False, f"no measured table for {device.name or 'this device'}")
+    declined = _declined(facts, device, table)
+    if declined is not None:
+        return Choice(False, declined)
+    assert table is not None
     if table.prefill.requires_wgmma and not device.wgmma:
         return Choice(False, "the Gluon wgmma kernel does not build here")
     limit = prefill_heads_limit(facts, table.prefill, switches, short_rows=True)
     if facts.heads > limit:
         return Choice(
             False,
-            f"{facts.heads} local heads: vLLM's FlashMLA prefill is measured faster above "
+            f"{facts.heads} local heads: {_vllm_prefill_text(facts)} is measured faster above "
             f"{limit} ({table.device_name})",
         )
-    if facts.kind == "c4a" and facts.heads > prefill_heads_limit(facts, table.prefill, switches):
+    if facts.topk_rows and facts.heads > prefill_heads_limit(facts, table.prefill, switches):
         return Choice(
             True,
             f"in steps whose rows average at most {table.prefill.c4a_short_rows_mean_keys} "
@@ -148,27 +172,54 @@ def prefill_choice(
     return Choice(True, "every step")
 
 
-def _keys_upto(n: int, window: int, topk: int) -> int:
-    """Valid keys of the C4A rows of positions ``0 .. n - 1`` together: position ``p``
-    reads ``min(p + 1, window)`` window keys and ``min((p + 1) // 4, topk)`` compressed
+def native_prefill_choice(
+    facts: LayerFacts, device: Device, table: MeasuredTable | None, switches: Switches
+) -> Choice:
+    """Whether vLLM's own prefill of a DeepSeek-V4 layer kind runs at the real heads (the
+    FlashMLA vLLM 0.33 bundles, as vLLM's V4.1 class calls it) where ours is not taken:
+    only where that call was measured faster than vLLM's padded one at these heads."""
+    if switches.prefill_disable:
+        return Choice(False, f"{ENV_PREFILL_DISABLE}=1")
+    declined = _declined(facts, device, table)
+    if declined is not None:
+        return Choice(False, declined)
+    assert table is not None
+    if facts.family != "v4" or facts.vllm_native:
+        return Choice(False, "vLLM's own prefill already runs at the real heads")
+    if not facts.native_prefill:
+        return Choice(False, "this vLLM's FlashMLA has no small-heads sparse prefill here")
+    if facts.heads >= facts.padded_heads or facts.heads not in table.prefill.native_faster_heads:
+        return Choice(
+            False,
+            f"at {facts.heads} local heads vLLM's padded call was not measured slower "
+            f"({table.device_name})",
+        )
+    return Choice(True, f"measured faster than the padded call at {facts.heads} heads")
+
+
+def _keys_upto(n: int, window: int, topk: int, ratio: int = 4) -> int:
+    """Valid keys of the top-k rows of positions ``0 .. n - 1`` together: position ``p``
+    reads ``min(p + 1, window)`` window keys and ``min((p + 1) // ratio, topk)`` compressed
     ones (its top-k, or every compressed entry while there are fewer)."""
     w = n * (n + 1) // 2 if n <= window else window * (window + 1) // 2 + (n - window) * window
-    c = min(n, 4 * topk - 1)  # (m // 4) < topk for m <= c
-    a, b = divmod(c, 4)
-    comp = 2 * a * (a - 1) + (b + 1) * a + max(0, n - c) * topk
+    c = min(n, ratio * topk - 1)  # (m // ratio) < topk for m <= c
+    a, b = divmod(c, ratio)
+    # positions 1..c: sum over m = p + 1 in 1..c of m // ratio
+    comp = ratio * a * (a - 1) // 2 + (b + 1) * a + max(0, n - c) * topk
     return w + comp
 
 
 def c4a_mean_keys(
-    seq_lens: Sequence[int], query_lens: Sequence[int], window: int, topk: int
+    seq_lens: Sequence[int], query_lens: Sequence[int], window: int, topk: int, ratio: int = 4
 ) -> float:
-    """Mean valid keys per prefill token of a C4A layer for requests whose chunks end
-    at ``seq_lens`` and hold ``query_lens`` tokens (0.0 for no tokens)."""
+    """Mean valid keys per prefill token of a top-k layer (C4A at ``ratio`` 4, V4.1's at 1
+    or 2) for requests whose chunks end at ``seq_lens`` and hold ``query_lens`` tokens
+    (0.0 for no tokens)."""
     tokens = sum(int(q) for q in query_lens)
     if tokens == 0:
         return 0.0
     total = sum(
-        _keys_upto(int(s), window, topk) - _keys_upto(int(s) - int(q), window, topk)
+        _keys_upto(int(s), window, topk, ratio) - _keys_upto(int(s) - int(q), window, topk, ratio)
         for s, q in zip(seq_lens, query_lens, strict=True)
     )
     return total / tokens
@@ -178,10 +229,12 @@ def prefill_step_takes_ours(
     facts: LayerFacts, limits: PrefillLimits, switches: Switches, mean_keys: float | None
 ) -> bool:
     """Whether a step of a layer kind whose prefill is ours runs ours: always within the
-    head limit; a C4A layer above it only when its rows are short (``mean_keys``, None
-    when the step's host lengths are unknown)."""
+    head limit; a top-k layer above it only when its rows are short (``mean_keys``, None
+    when the step's host lengths are unknown) and vLLM's call is the padded one."""
     if facts.heads <= prefill_heads_limit(facts, limits, switches):
         return True
+    if facts.vllm_native or not facts.topk_rows:
+        return False
     return mean_keys is not None and mean_keys <= limits.c4a_short_rows_mean_keys
 
 
@@ -205,12 +258,12 @@ def decode_choice(
 ) -> Choice:
     """Whether this layer kind's decode may take ours (decided once, at start-up); which
     step sizes then do is :func:`decode_faster`."""
-    if facts.kind is None:
-        return Choice(False, f"compress ratio {facts.compress_ratio} is not a DSV4 layer kind")
     if switches.decode_disable:
         return Choice(False, f"{ENV_DECODE_DISABLE}=1")
-    if table is None:
-        return Choice(False, f"no measured table for {device.name or 'this device'}")
+    declined = _declined(facts, device, table)
+    if declined is not None:
+        return Choice(False, declined)
+    assert table is not None and facts.kind is not None
     if table.decode.requires_wgmma and not device.wgmma:
         return Choice(False, "the Gluon wgmma kernel does not build here")
     row = table.decode.row(facts.kind, facts.heads)
@@ -244,7 +297,7 @@ def prefill_scratch_spec(facts: Sequence[LayerFacts], max_group: int) -> Scratch
         max_heads=max(f.heads for f in facts),
         window_size=max(f.window for f in facts),
         max_group=max_group,
-        c4a_topk=max((f.topk for f in facts if f.kind == "c4a"), default=0),
+        c4a_topk=max((f.topk for f in facts if f.topk_rows), default=0),
         c128a_width=max((f.c128a_width for f in facts if f.kind == "c128a"), default=0),
         window_slots=WINDOW_ROW_SETS,
         c128a_slots=1,

@@ -50,7 +50,13 @@ from dsv4_kernels import sparse_mla
 from dsv4_kernels.geometry import SWA_BLOCK_SIZE
 from dsv4_kernels.reference import sparse_mla as ref_attention
 
-from .prefill_plan import PrefillPlan, _check_comp_args, _check_ratio
+from .prefill_plan import (
+    PrefillPlan,
+    _check_comp_args,
+    _check_ratio,
+    has_compressed_rows,
+    topk_rows,
+)
 
 __all__ = ["PrefillPlan", "forward_prefill", "reference_forward_prefill"]
 
@@ -61,6 +67,7 @@ def _check_layer_args(
     compress_ratio: int,
     comp_cache: torch.Tensor | None,
     out: torch.Tensor | None,
+    topk_indices: torch.Tensor | None = None,
 ) -> None:
     _check_ratio(compress_ratio)
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
@@ -69,9 +76,10 @@ def _check_layer_args(
         raise ValueError(
             f"q must have at least plan.num_tokens ({plan.num_tokens}) rows, got {q.shape[0]}"
         )
-    if (compress_ratio > 1) != (comp_cache is not None):
+    if has_compressed_rows(compress_ratio, topk_indices) != (comp_cache is not None):
         raise ValueError(
-            "comp_cache must be given for C4A/C128A layers and None for SWA-only layers, "
+            "comp_cache must be given for compressed (C4A, C128A, V4.1 top-k) layers and None "
+            "for SWA-only layers, "
             f"got compress_ratio {compress_ratio} with comp_cache "
             f"{'given' if comp_cache is not None else 'None'}"
         )
@@ -97,7 +105,7 @@ def _prologue(
     c128a_topk: int | None,
 ) -> int | None:
     """The checks :func:`forward_prefill` and its reference share; the compressed page size."""
-    _check_layer_args(q, plan, compress_ratio, comp_cache, out)
+    _check_layer_args(q, plan, compress_ratio, comp_cache, out, topk_indices)
     return _check_comp_args(
         compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
     )
@@ -150,7 +158,9 @@ def forward_prefill(
             heads (pass ``q[:, :n_local_heads]`` of vLLM's padded buffer; any
             strides with a unit last one).
         plan: the step's :class:`PrefillPlan`.
-        compress_ratio: 1 (SWA-only), 4 (C4A) or 128 (C128A).
+        compress_ratio: 1 (SWA-only), 4 (C4A) or 128 (C128A); DeepSeek-V4.1's
+            compressed layers pass their own ratio (1 or 2) with ``topk_indices``
+            (top-k rows, as C4A's: ``topk_indices`` makes a ratio-1 layer compressed).
         scale: softmax scale (``512 ** -0.5``).
         swa_cache: the layer's window cache, ``[num_pages, 64, 584]`` uint8
             view (any page stride, e.g. vLLM's block-outer views).
@@ -160,7 +170,9 @@ def forward_prefill(
         comp_block_table: ``[>= num_reqs, pages]`` int32 compressed page ids.
         comp_block_size: entries per compressed page (default ``256 //
             compress_ratio``).
-        topk_indices: C4A: ``[>= T, index_topk]`` int32 request-local top-k.
+        topk_indices: top-k rows (C4A, V4.1): ``[>= T, index_topk]`` int32
+            request-local top-k (token ``t`` at position ``p`` reads its first
+            ``min((p + 1) // compress_ratio, index_topk)`` columns).
         c128a_topk: C128A row width (vLLM's ``c128a_prefill_topk_indices.shape[-1]``;
             at least the longest request's ``seq_len // 128``).
         attn_sink: ``[H]`` float32 per-head sink or None.
@@ -172,14 +184,14 @@ def forward_prefill(
             (neighbouring tokens share keys, which the Hopper kernel then loads
             and dequantises once per group); None picks
             :func:`dsv4_kernels.sparse_mla.prefill_group_size` (4 at up to 8
-            heads and 2 at 16 on Hopper, else 1: per-token rows).  C4A layers
-            always use per-token rows.
+            heads and 2 at 16 on Hopper, else 1: per-token rows).  Top-k rows
+            are always per token.
 
     Returns:
         The ``[T, H, 512]`` output (the first ``T`` rows of ``out``).
 
     Raises:
-        ValueError: naming the argument, for a ratio other than 1/4/128,
+        ValueError: naming the argument, for a ratio other than 1/2/4/128,
             compressed arguments that do not match the ratio, q/out shapes,
             and everything :func:`dsv4_kernels.build_prefill_indices` and
             :func:`dsv4_kernels.sparse_mla_paged` refuse.
@@ -188,7 +200,7 @@ def forward_prefill(
                                 comp_block_size, topk_indices, c128a_topk)  # fmt: skip
     T = plan.num_tokens
     if group_size is None:
-        group_size = sparse_mla.prefill_group_size(q) if compress_ratio != 4 else 1
+        group_size = 1 if topk_rows(compress_ratio, topk_indices) else sparse_mla.prefill_group_size(q)
     rows = plan.layer_rows(
         compress_ratio,
         window_block_table=swa_block_table,
@@ -235,7 +247,8 @@ def reference_forward_prefill(q: torch.Tensor, plan: PrefillPlan, **layer: Any) 
                                 b["comp_block_size"], topk_indices, c128a_topk)  # fmt: skip
     T = plan.num_tokens
     topk = c128a_topk if ratio == 128 else None
-    if ratio == 4 and topk_indices is not None:
+    is_topk = topk_rows(ratio, topk_indices)
+    if is_topk and topk_indices is not None:
         topk = topk_indices.shape[1]
     rows = dk_ref.build_prefill_indices(
         plan.query_start_loc,
@@ -245,9 +258,9 @@ def reference_forward_prefill(q: torch.Tensor, plan: PrefillPlan, **layer: Any) 
         window_block_size=b["swa_block_size"],
         window_size=plan.window_size,
         compress_ratio=ratio,
-        comp_block_table=b["comp_block_table"] if ratio > 1 else None,
+        comp_block_table=b["comp_block_table"] if has_compressed_rows(ratio, topk_indices) else None,
         comp_block_size=comp_block_size,
-        topk_indices=topk_indices if ratio == 4 else None,
+        topk_indices=topk_indices if is_topk else None,
         topk=topk,
     )
     out = b["out"]

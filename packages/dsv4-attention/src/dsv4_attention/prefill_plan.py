@@ -16,9 +16,23 @@ from dsv4_kernels.geometry import SWA_BLOCK_SIZE, WINDOW_SIZE, slots_per_page
 
 from .scratch import PrefillScratch
 
-__all__ = ["LAYER_RATIOS", "PrefillPlan"]
+__all__ = ["LAYER_RATIOS", "PrefillPlan", "has_compressed_rows", "topk_rows"]
 
-LAYER_RATIOS = (1, 4, 128)  # SWA-only, C4A, C128A
+# Ratios a layer's rows are built for: 1 SWA-only (or, with the indexer's top-k,
+# DeepSeek-V4.1's full-length compressed layers), 2 V4.1's ratio-2 layers, 4 C4A,
+# 128 C128A.
+LAYER_RATIOS = (1, 2, 4, 128)
+
+
+def topk_rows(compress_ratio: int, topk_indices: object) -> bool:
+    """Whether a layer's compressed rows are the indexer's top-k (C4A; V4.1's ratio-2
+    layers; V4.1's full-length layers, ratio 1 with ``topk_indices``)."""
+    return compress_ratio in (2, 4) or (compress_ratio == 1 and topk_indices is not None)
+
+
+def has_compressed_rows(compress_ratio: int, topk_indices: object) -> bool:
+    """Whether a layer reads a compressed cache (top-k rows or C128A's every entry)."""
+    return compress_ratio == 128 or topk_rows(compress_ratio, topk_indices)
 
 
 def _table_key(kind: str, table: torch.Tensor, *extra: int) -> tuple[Any, ...]:
@@ -120,7 +134,7 @@ class PrefillPlan:
         if self.scratch is None:
             return {}
         T, take = self.num_tokens, self.scratch.take
-        if ratio == 4:
+        if ratio != 128:  # top-k rows, built fresh by every layer
             return {"comp_out": take("c4a", (T, width)), "comp_lens_out": take("c4a_lens", (T,))}
         assert key is not None
         slot = self._slot("c128a", key, self.scratch.spec.c128a_slots)
@@ -155,7 +169,7 @@ class PrefillPlan:
         c128a_topk: int | None = None,
         group_size: int = 1,
     ) -> dk.PrefillIndices | dk.GroupedPrefillIndices:
-        """The index rows of one layer: cached window / C128A rows, fresh C4A rows.
+        """The index rows of one layer: cached window / C128A rows, fresh top-k rows.
 
         At most one launch: a C128A layer whose window and C128A rows are both
         missing builds them together; a C4A layer builds its top-k rows (and
@@ -167,7 +181,8 @@ class PrefillPlan:
         comp_block_size = _check_comp_args(
             compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
         )
-        if group_size > 1 and compress_ratio != 4:
+        topk = topk_rows(compress_ratio, topk_indices)
+        if group_size > 1 and not topk:
             return self._grouped_rows(
                 compress_ratio,
                 group_size,
@@ -189,7 +204,7 @@ class PrefillPlan:
             if cached is not None:
                 comp, comp_lens = cached[1], cached[2]
 
-        need_comp = compress_ratio == 4 or (compress_ratio == 128 and comp is None)
+        need_comp = topk or (compress_ratio == 128 and comp is None)
         if window is None or need_comp:
             outs = self._window_outs(wkey, 1) if window is None else {}
             if need_comp:
@@ -285,8 +300,8 @@ class PrefillPlan:
 def _check_ratio(compress_ratio: object) -> None:
     if compress_ratio not in LAYER_RATIOS:
         raise ValueError(
-            f"compress_ratio must be one of {LAYER_RATIOS} (SWA-only, C4A, C128A), "
-            f"got {compress_ratio!r}"
+            f"compress_ratio must be one of {LAYER_RATIOS} (SWA-only or V4.1's full-length "
+            f"top-k rows, V4.1's ratio 2, C4A, C128A), got {compress_ratio!r}"
         )
 
 
@@ -299,7 +314,7 @@ def _check_comp_args(
 ) -> int | None:
     """Check that the compressed-cache arguments match the ratio; return the page size."""
     _check_ratio(compress_ratio)
-    if compress_ratio == 1:
+    if not has_compressed_rows(compress_ratio, topk_indices):
         for name, value in (
             ("comp_block_table", comp_block_table),
             ("topk_indices", topk_indices),
@@ -310,9 +325,12 @@ def _check_comp_args(
         return None
     if comp_block_table is None:
         raise ValueError(f"comp_block_table is needed for compress_ratio {compress_ratio}")
-    if compress_ratio == 4:
+    if compress_ratio != 128:
         if topk_indices is None:
-            raise ValueError("topk_indices (the indexer's top-k) is needed for C4A layers")
+            raise ValueError(
+                "topk_indices (the indexer's top-k) is needed for C4A layers (top-k rows at "
+                f"compress_ratio {compress_ratio})"
+            )
         if c128a_topk is not None:
             raise ValueError("c128a_topk must be None for C4A layers (their width is the top-k's)")
     else:

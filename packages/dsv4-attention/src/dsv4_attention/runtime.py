@@ -40,15 +40,12 @@ from typing import Any
 import torch
 
 from . import policy, vllm_calls
-from .facts import LayerFacts, ServingConfig
+from .facts import FAMILY_RATIOS, LayerFacts, ServingConfig
 from .policy import Choice, Device, Switches
 from .scratch import PrefillScratch, ScratchSpec, scratch_bytes
 from .tables import MeasuredTable
 
 __all__ = ["HeadExactRuntime", "KindState", "VllmAccess"]
-
-LAYER_RATIOS = (1, 4, 128)
-
 
 def _never() -> bool:
     return False
@@ -85,6 +82,8 @@ class KindState:
     prefill: Choice
     decode: Choice
     warmup_seconds: float = 0.0
+    # where ours is not taken: vLLM's own V4 prefill at the real heads (``native``)
+    native: Choice = field(default_factory=lambda: Choice(False, "not decided"))
 
 
 @dataclass
@@ -92,7 +91,7 @@ class _Step:
     owner: Any = None  # weakref to the forward context (or metadata) of the step
     dict_id: int | None = None
     plan: Any = None
-    mean_keys: dict[tuple[int, int], float] = field(default_factory=dict)
+    mean_keys: dict[tuple[int, int, int], float] = field(default_factory=dict)
 
 
 class HeadExactRuntime:
@@ -145,7 +144,10 @@ class HeadExactRuntime:
         model's other kinds share them: one top-k buffer, one context length; the
         model's indexer top-k where this layer holds no top-k buffer)."""
         topk = facts.topk or self.serving.index_topk
-        return [dataclasses.replace(facts, compress_ratio=r, topk=topk) for r in LAYER_RATIOS]
+        return [
+            dataclasses.replace(facts, compress_ratio=r, topk=topk)
+            for r in FAMILY_RATIOS[facts.family]
+        ]
 
     def kind_state(self, layer: Any, q: torch.Tensor) -> KindState:
         """This layer's kind decision, made (reserving, warming up, logging) at first
@@ -168,7 +170,8 @@ class HeadExactRuntime:
             prefill = self._fits_prefill(facts) or prefill
         if decode.ours:
             decode = self._fits_decode(facts) or decode
-        state = KindState(facts, prefill, decode)
+        native = policy.native_prefill_choice(facts, self.device, self.table, self.switches)
+        state = KindState(facts, prefill, decode, native=native)
         if prefill.ours or decode.ours:
             self._warm_up(state, q.device)
         self.access.info(self.describe(state))
@@ -181,6 +184,11 @@ class HeadExactRuntime:
         for what, choice in (("prefill", state.prefill), ("decode", state.decode)):
             who = "ours" if choice.ours else "vLLM's"
             parts.append(f"{what} {who} ({choice.reason})")
+        if state.native.ours:
+            parts.append(
+                f"vLLM's prefill, where it runs, at the real {f.heads} heads "
+                f"({state.native.reason})"
+            )
         return (
             f"dsv4-attention: {f.kind_text} layers, {f.heads} local heads, "
             f"{self.serving.model_text}: " + "; ".join(parts)
@@ -298,17 +306,23 @@ class HeadExactRuntime:
         try:
             if state.prefill.ours:
                 warm_up_prefill(
-                    device, f.heads, f.compress_ratio, f.topk or 512, max_tokens=f.max_tokens
+                    device,
+                    f.heads,
+                    f.kernel_ratio,
+                    f.topk or 512,
+                    max_tokens=f.max_tokens,
+                    topk_rows=f.topk_rows,
                 )
             if state.decode.ours:
                 warm_up_decode(
                     device,
                     f.heads,
-                    f.compress_ratio,
+                    f.kernel_ratio,
                     f.decode_row_width,
                     self.decode_scratch,
                     tokens=policy.decode_warmup_tokens(f.max_tokens),
                     window_width=f.decode_window_width,
+                    compressed=f.kind != "swa",
                 )
             if self.device.wgmma and not self.device.forced and not wgmma_available():
                 raise RuntimeError("the Gluon wgmma kernel failed to build")
@@ -344,7 +358,7 @@ class HeadExactRuntime:
         if seq is None or qlen is None or not facts.topk:
             return None
         step = self._step_state(swa_metadata)
-        key = (facts.window, facts.topk)
+        key = (facts.window, facts.topk, facts.compress_ratio)
         if key not in step.mean_keys:
             step.mean_keys[key] = policy.c4a_mean_keys(seq.tolist(), qlen.tolist(), *key)
         return step.mean_keys[key]
@@ -429,7 +443,7 @@ class HeadExactRuntime:
             facts = state.facts
             assert self.table is not None
             mean = None
-            if facts.kind == "c4a" and facts.heads > policy.prefill_heads_limit(
+            if facts.topk_rows and facts.heads > policy.prefill_heads_limit(
                 facts, self.table.prefill, self.switches
             ):
                 mean = self._step_mean_keys(facts, swa_metadata)
@@ -486,9 +500,7 @@ class HeadExactRuntime:
             facts = state.facts
             assert self.table is not None
             num_tokens = int(swa_metadata.num_decode_tokens)
-            if not policy.decode_faster(
-                self.table.decode, facts.compress_ratio, facts.heads, num_tokens
-            ):
+            if not policy.decode_faster(self.table.decode, facts.kind or "", facts.heads, num_tokens):
                 return False
             window = layer.swa_cache_layer.kv_cache
             comp_block = None if swa_only else int(attn_metadata.block_size)
@@ -513,6 +525,34 @@ class HeadExactRuntime:
             if self.access.capturing():
                 raise
             return self._failed(layer, "decode", exc)
+
+    def native_heads(self, layer: Any) -> int | None:
+        """The real heads vLLM's own prefill of this layer runs at (None: as vLLM calls
+        it); asked after :meth:`prefill` declined, so the kind is decided."""
+        facts = getattr(layer, "_dsv4_facts", None)
+        if not isinstance(facts, LayerFacts):
+            return None
+        state = self.kinds.get((facts.compress_ratio, facts.heads))
+        return facts.heads if state is not None and state.native.ours else None
+
+    def native_failed(self, layer: Any, exc: BaseException) -> None:
+        """vLLM's prefill at the real heads raised outside capture: that kind's prefill
+        runs as vLLM calls it from now on, with one warning."""
+        if self.access.capturing():
+            raise exc
+        facts = getattr(layer, "_dsv4_facts", None)
+        if isinstance(facts, LayerFacts):
+            state = self.kinds.get((facts.compress_ratio, facts.heads))
+            if state is not None:
+                state.native = Choice(False, f"raised {type(exc).__name__}")
+        line = f"native/{getattr(facts, 'kind', None)}"
+        if line not in self._warned:
+            self._warned.add(line)
+            self.access.warning(
+                f"dsv4-attention: vLLM's prefill at the real heads raised "
+                f"{type(exc).__name__}: {exc}; this and later steps run it padded, as vLLM "
+                "calls it"
+            )
 
     def prepare(self, layer: Any, q: torch.Tensor) -> None:
         """vLLM's profile run (no metadata): decide this layer's kind now, reserving the
@@ -553,8 +593,7 @@ def make_attention_cls(base: type, runtime: HeadExactRuntime) -> type:
             self, q, compressed_k_cache, swa_k_cache, output, attn_metadata, swa_metadata
         ):
             return
-        base._forward_prefill(  # type: ignore[attr-defined]
-            self,
+        args = dict(
             q=q,
             positions=positions,
             compressed_k_cache=compressed_k_cache,
@@ -563,6 +602,17 @@ def make_attention_cls(base: type, runtime: HeadExactRuntime) -> type:
             attn_metadata=attn_metadata,
             swa_metadata=swa_metadata,
         )
+        heads = runtime.native_heads(self)
+        if heads is not None:
+            from .native import real_heads
+
+            try:
+                with real_heads(heads):
+                    base._forward_prefill(self, **args)  # type: ignore[attr-defined]
+                return
+            except Exception as exc:
+                runtime.native_failed(self, exc)
+        base._forward_prefill(self, **args)  # type: ignore[attr-defined]
 
     def _forward_decode(
         self: Any,

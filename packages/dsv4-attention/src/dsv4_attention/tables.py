@@ -30,13 +30,24 @@ LAYER_NAMES = {1: "swa", 4: "c4a", 128: "c128a"}
 
 @dataclass(frozen=True)
 class PrefillLimits:
-    """Up to how many local heads the head-exact prefill is measured faster."""
+    """Up to how many local heads the head-exact prefill is measured faster.
+
+    The first four limits compare ours with vLLM's padded FlashMLA call (64 heads);
+    the ``native_*`` ones with the FlashMLA vLLM 0.33 bundles run at the real heads
+    (what vLLM's DeepSeek-V4.1 class calls on SM90); ``native_faster_heads`` are the
+    local head counts at which that native-head call was measured faster than the
+    padded one on every measured step (where the plugin runs vLLM's own V4 prefill at
+    the real heads when ours is not taken).
+    """
 
     requires_wgmma: bool
     c4a_max_heads: int
     shared_keys_max_heads: int  # SWA-only and C128A layers (grouped rows)
     c4a_short_rows_max_heads: int  # C4A layers in steps whose rows are short
     c4a_short_rows_mean_keys: int
+    native_topk_max_heads: int = 0  # top-k rows (C4A, V4.1) against the native-head call
+    native_shared_keys_max_heads: int = 0  # SWA-only and C128A against it
+    native_faster_heads: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,7 +60,7 @@ class DecodeTable:
     ratios: Mapping[str, Mapping[int, Mapping[int, float]]]
 
     def row(self, layer: str | int, heads: int) -> Mapping[int, float] | None:
-        """The measured steps of a layer kind (``"c4a"`` or its ratio 4) at ``heads``
+        """The measured steps of a layer kind (``"c4a"``, V4.1's ``"c1a"``, or a V4 ratio) at ``heads``
         local heads (looked up by the kernel's MMA width: 8 rows up to 8 heads, 16 up
         to 16); None where nothing was measured."""
         name = LAYER_NAMES.get(layer, "") if isinstance(layer, int) else layer
@@ -91,6 +102,8 @@ def parse_table(data: Mapping[str, object], name: str = "<table>") -> MeasuredTa
         prefill = data["prefill"]
         decode = data["decode"]
         assert isinstance(prefill, dict) and isinstance(decode, dict)
+        native = prefill.get("versus_native", {})
+        assert isinstance(native, dict)
         return MeasuredTable(
             device_name=str(data["device_name"]),
             family=str(data["family"]),
@@ -102,6 +115,11 @@ def parse_table(data: Mapping[str, object], name: str = "<table>") -> MeasuredTa
                 shared_keys_max_heads=int(prefill["shared_keys_max_heads"]),
                 c4a_short_rows_max_heads=int(prefill["c4a_short_rows_max_heads"]),
                 c4a_short_rows_mean_keys=int(prefill["c4a_short_rows_mean_keys"]),
+                native_topk_max_heads=int(native.get("topk_max_heads", 0)),
+                native_shared_keys_max_heads=int(native.get("shared_keys_max_heads", 0)),
+                native_faster_heads=tuple(
+                    int(h) for h in native.get("faster_than_padded_heads", ())
+                ),
             ),
             decode=DecodeTable(
                 requires_wgmma=bool(decode["requires_wgmma"]),

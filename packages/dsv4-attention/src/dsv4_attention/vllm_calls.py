@@ -88,7 +88,7 @@ def run_prefill(
             "comp_block_table": attn_metadata.block_table[num_decodes:],
             "comp_block_size": int(compressed_k_cache.shape[1]),
         }
-        if facts.kind == "c4a":
+        if facts.topk_rows:  # C4A, V4.1's ratio-1 and ratio-2 layers
             num_decode_tokens = int(swa_metadata.num_decode_tokens)
             comp["topk_indices"] = layer.topk_indices_buffer[num_decode_tokens:]
         else:
@@ -96,7 +96,7 @@ def run_prefill(
     forward_prefill(
         q[:, :heads],
         plan,
-        compress_ratio=facts.compress_ratio,
+        compress_ratio=facts.kernel_ratio,
         scale=float(layer.scale),
         swa_cache=swa_k_cache,
         swa_block_table=swa_metadata.block_table[num_decodes:],
@@ -129,7 +129,7 @@ def run_decode(
     comp: dict[str, Any] = {}
     if not swa_only:
         assert kv_cache is not None
-        if facts.kind == "c4a":  # the layer's own top-k, mapped to cache slots as vLLM maps them
+        if facts.topk_rows:  # the layer's top-k, mapped to cache slots as vLLM maps them
             indices, lens = global_topk(
                 layer.topk_indices_buffer[:num_tokens],
                 swa_metadata.token_to_req_indices,

@@ -14,8 +14,14 @@ parameters; ``_select_dsv4_attn_cls`` moved within ``nvidia/model.py`` with
 the same body; the KV-cache grouping helpers moved from
 ``v1/core/kv_cache_utils.py`` to ``v1/core/kv_cache_planning.py``.  Both
 releases ship DeepSeek-V4.1 (``models/deepseek_v41``, already in 0.32.0's CPU
-build) with its own attention classes, ops and a different cache layout, which
-the plugin never touches.
+build) with its own selector (``nvidia/model.py``) and FlashMLA class
+(``nvidia/flashmla.py``: the same method parameters as V4's, window-only layers
+at ratio 0, top-k layers at ratios 1 and 2) and its own ops: the plugin wraps
+the selector and subclasses the class; V4.1's ops are never replaced.  Off
+SM100 V4.1 keeps V4's page record.  0.33's V4.1 class runs its prefill at the
+real 8, 16 or 32 heads on SM90 (``_prefill_num_heads``), through the FlashMLA
+0.33 bundles; 0.32's pads (its bundled FlashMLA documents no small-heads
+prefill).
 
 What is replaced where, and the measurements behind it, is in
 ``docs/plugin.md``.
@@ -37,6 +43,20 @@ OPS_PACKAGE = "vllm.models.deepseek_v4.common.ops"
 FLASHMLA_MODULE = "vllm.models.deepseek_v4.nvidia.flashmla"
 FLASHINFER_MODULE = "vllm.models.deepseek_v4.nvidia.flashinfer_sparse"
 MODEL_MODULE = "vllm.models.deepseek_v4.nvidia.model"
+# DeepSeek-V4.1: its package (imported only where a V4.1 model is built), its
+# selector's module and its FlashMLA class's module.
+V41_PACKAGE = "vllm.models.deepseek_v41"
+V41_MODEL_MODULE = "vllm.models.deepseek_v41.nvidia.model"
+V41_FLASHMLA_MODULE = "vllm.models.deepseek_v41.nvidia.flashmla"
+# vLLM's registry names of DeepSeek-V4.1 and its DSpark drafter
+V41_ARCHITECTURES = ("DeepseekV41ForCausalLM", "DSparkV41DraftModel")
+# family -> (package whose import installs the trigger, selector module, class module)
+FAMILY_MODULES: Mapping[str, tuple[str, str, str]] = MappingProxyType(
+    {
+        "v4": (DSV4_PACKAGE, MODEL_MODULE, FLASHMLA_MODULE),
+        "v41": (V41_PACKAGE, V41_MODEL_MODULE, V41_FLASHMLA_MODULE),
+    }
+)
 
 # Parameter names, in order, of every vLLM function the plugin may replace,
 # wrap or override (the same in 0.32 and 0.33).
@@ -85,6 +105,17 @@ _SIGNATURES: dict[str, tuple[str, ...]] = {
         "swa_metadata",
     ),
     "forward_mqa": ("self", "q", "kv", "positions", "output"),
+    # the bundled FlashMLA's sparse prefill, as vLLM's FlashMLA modules import it
+    "flash_mla_sparse_fwd": (
+        "q",
+        "kv",
+        "indices",
+        "sm_scale",
+        "d_v",
+        "attn_sink",
+        "topk_length",
+        "out",
+    ),
     "_forward_decode": (
         "self",
         "q",
@@ -114,9 +145,14 @@ class ReleaseFacts:
     # where the KV-cache grouping helpers (get_kv_cache_groups,
     # get_kv_cache_config_from_groups) live
     kv_cache_grouping_module: str
-    # DSV4 relatives the plugin must leave alone (own attention classes and cache
-    # layout): their modules are checked to hold none of our replacements
+    # DSV4 relatives whose ops the plugin never replaces (DeepSeek-V4.1: its own ops;
+    # its selector is wrapped and its class subclassed, never patched in place):
+    # their modules are checked to hold none of our replacements
     untouched_models: tuple[str, ...] = ()
+    # local head counts at which this release's bundled FlashMLA runs the sparse
+    # prefill on SM90 without padding (0.33: "SM90 supports 8, 16, 32, 64 or 128
+    # heads"); empty where it documents none
+    native_prefill_heads: tuple[int, ...] = ()
     signatures: Mapping[str, tuple[str, ...]] = field(
         default_factory=lambda: MappingProxyType(dict(_SIGNATURES))
     )
@@ -145,6 +181,7 @@ RELEASES: Mapping[tuple[int, int], ReleaseFacts] = MappingProxyType(
             release=(0, 33),
             kv_cache_grouping_module="vllm.v1.core.kv_cache_planning",
             untouched_models=("vllm.models.deepseek_v41",),
+            native_prefill_heads=(8, 16, 32),
         ),
     }
 )

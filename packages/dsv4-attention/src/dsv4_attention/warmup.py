@@ -80,21 +80,26 @@ def warm_up_prefill(
     topk: int = 512,
     *,
     max_tokens: int | None = None,
+    topk_rows: bool | None = None,
 ) -> float:
     """Run one layer's head-exact prefill on a tiny batch; seconds it took (the compile).
 
     Args:
         device: where the kernels run (the layer's device).
         heads: the layer's local query heads.
-        compress_ratio: 1 (SWA-only), 4 (C4A) or 128 (C128A).
-        topk: C4A: the indexer's top-k width (the layer's top-k buffer's).
+        compress_ratio: the ratio the kernels are given: 1 (SWA-only), 4 (C4A) or 128
+            (C128A); DeepSeek-V4.1's compressed layers 1 or 2 with ``topk_rows``.
+        topk: top-k rows: the indexer's top-k width (the layer's top-k buffer's).
         max_tokens: the token budget of a step; the warm-up stays within it.
+        topk_rows: whether the layer reads the indexer's top-k rows (default: ratio 4).
     """
+    if topk_rows is None:
+        topk_rows = compress_ratio == 4
     device = torch.device(device)
     began = time.perf_counter()
     swa_cache = _cache(_pages(SWA_BLOCK_SIZE), SWA_BLOCK_SIZE, device)
     comp: dict[str, object] = {}
-    if compress_ratio > 1:
+    if topk_rows or compress_ratio == 128:
         per_page = slots_per_page(compress_ratio)
         comp = {
             "comp_cache": _cache(_pages(KV_BLOCK_SIZE), per_page, device),
@@ -106,10 +111,10 @@ def warm_up_prefill(
         qsl = torch.tensor([0, query_lens[0], tokens], dtype=torch.int32, device=device)
         seq = torch.tensor(_SEQ_LENS, dtype=torch.int32, device=device)
         layer = dict(comp)
-        if compress_ratio == 4:
-            topk_rows = torch.full((tokens, topk), -1, dtype=torch.int32, device=device)
-            topk_rows[:, :8] = torch.arange(8, dtype=torch.int32, device=device)
-            layer["topk_indices"] = topk_rows
+        if topk_rows:
+            rows = torch.full((tokens, topk), -1, dtype=torch.int32, device=device)
+            rows[:, :8] = torch.arange(8, dtype=torch.int32, device=device)
+            layer["topk_indices"] = rows
         elif compress_ratio == 128:
             layer["c128a_topk"] = 128
         q = torch.zeros((tokens, heads, HEAD_DIM), dtype=torch.bfloat16, device=device)
@@ -137,17 +142,20 @@ def warm_up_decode(
     *,
     tokens: tuple[int, ...] = _DECODE_TOKENS,
     window_width: int = 128,
+    compressed: bool | None = None,
 ) -> float:
     """Run one layer's head-exact decode on a few batch sizes; seconds it took.
 
     Args:
         device: the layer's device.
         heads: local query heads.
-        compress_ratio: 1, 4 or 128.
+        compress_ratio: 1, 4 or 128 (V4.1: 1 or 2 with ``compressed``): the
+            compressed pages hold ``256 // compress_ratio`` entries.
         max_keys: most columns per token (window + compressed width).
         scratch: the decode scratch the real calls use (its views are reused).
         tokens: the step sizes to run (within the scratch's token budget).
         window_width: the window rows' width (DSpark's drafter rows are wider than 128).
+        compressed: whether the layer reads a compressed cache (default: ratio > 1).
     """
     from .decode import forward_decode
 
@@ -156,7 +164,7 @@ def warm_up_decode(
     swa_cache = _cache(4, SWA_BLOCK_SIZE, device)
     width = max(0, max_keys - window_width)
     comp_cache = None
-    if compress_ratio > 1:
+    if compress_ratio > 1 if compressed is None else compressed:
         comp_cache = _cache(4, slots_per_page(compress_ratio), device)
     for n in tokens:
         window = torch.full((n, window_width), -1, dtype=torch.int32, device=device)

@@ -28,9 +28,12 @@ BLOCK_T = 8
 BLOCK_C = 128
 BLOCK_R = 16
 NUM_WARPS = 2
-# Compressed layers the rows are built for (C4A maps the indexer's top-k,
-# C128A generates every entry).
-COMPRESSED_RATIOS = (4, 128)
+# Compressed rows: a top-k row maps the indexer's local indices (V4's C4A at ratio
+# 4; DeepSeek-V4.1's full-length and ratio-2 layers at 1 and 2), a generated row
+# lists every entry (C128A).  Ratio 1 without ``topk_indices`` is V4's SWA-only.
+TOPK_RATIOS = (1, 2, 4)
+GENERATED_RATIO = 128
+COMPRESSED_RATIOS = (2, 4, GENERATED_RATIO)
 
 
 def _check_block_table(name: str, t: object, num_reqs: int, device: torch.device) -> torch.Tensor:
@@ -118,7 +121,7 @@ def _build(
         tables.append(("window_block_table", window_block_table, window_block_size, 1))
 
     ratio = 1 if compress_ratio is None else compress_ratio
-    if ratio == 1:
+    if compress_ratio is None or (ratio == 1 and topk_indices is None):
         for name, value in (
             ("comp_block_table", comp_block_table),
             ("topk_indices", topk_indices),
@@ -126,14 +129,16 @@ def _build(
         ):
             if value is not None:
                 raise ValueError(
-                    f"{name} must be None without a compressed row (compress_ratio None or 1)"
+                    f"{name} must be None without a compressed row (compress_ratio None or 1 "
+                    "without topk_indices)"
                 )
         mode = 0
         topk = 0
     else:
-        if ratio not in COMPRESSED_RATIOS:
+        if ratio not in TOPK_RATIOS and ratio != GENERATED_RATIO:
             raise ValueError(
-                f"compress_ratio must be None, 1, 4 (C4A) or 128 (C128A), got {compress_ratio}"
+                f"compress_ratio must be None, 1 (SWA-only, or top-k rows with topk_indices), "
+                f"2 or 4 (top-k rows) or 128 (C128A), got {compress_ratio}"
             )
         if comp_block_table is None:
             raise ValueError(f"comp_block_table is needed for compress_ratio {ratio}")
@@ -142,9 +147,12 @@ def _build(
             comp_block_size = slots_per_page(ratio)
         check_positive_int("comp_block_size", comp_block_size)
         tables.append(("comp_block_table", comp_block_table, comp_block_size, ratio))
-        if ratio == 4:
+        if ratio in TOPK_RATIOS:
             if topk_indices is None:
-                raise ValueError("topk_indices (the indexer's top-k) is needed for C4A rows")
+                raise ValueError(
+                    "topk_indices (the indexer's top-k) is needed for C4A rows (top-k rows "
+                    f"at compress_ratio {ratio})"
+                )
             check_tensor("topk_indices", topk_indices, dtype=INDEX_DTYPES, ndim=2, device=device)
             check_min_length("topk_indices", topk_indices, num_tokens, "a row per query token")
             if topk is None:
@@ -168,9 +176,12 @@ def _build(
             check_nonnegative_int("topk", topk)
             mode = 2
     if window_block_table is None and mode == 0:
-        raise ValueError("nothing to build: give window_block_table and/or compress_ratio 4 or 128")
+        raise ValueError(
+            "nothing to build: give window_block_table and/or a compressed row (top-k rows "
+            "with topk_indices, or compress_ratio 128)"
+        )
     if group > 1 and mode == 1:
-        raise ValueError("C4A rows (a top-k per token) cannot be grouped: build them per token")
+        raise ValueError("C4A rows (top-k rows: one top-k per token) cannot be grouped: build them per token")
     check_out(
         "window_out",
         window_out,

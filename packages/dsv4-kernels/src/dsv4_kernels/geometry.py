@@ -41,6 +41,11 @@ WINDOW_SIZE = 128  # sliding window W
 C4A_RATIO = 4  # compress ratio of C4A layers (lightning-indexer top-k)
 C128A_RATIO = 128  # compress ratio of C128A layers (every compressed entry)
 SUPPORTED_COMPRESS_RATIOS = (1, C4A_RATIO, C128A_RATIO)  # SWA-only, C4A, C128A
+# DeepSeek-V4.1 (vLLM's ``compress_ratios``): 0 window only, 1 a full-length
+# compressed cache, 2 ratio 2; its compressed layers read top-k rows like C4A.
+V41_COMPRESS_RATIOS = (0, 1, 2)
+# Ratios of a compressed cache whose pages the kernels read (256 / ratio entries).
+PAGED_COMPRESS_RATIOS = (1, 2, C4A_RATIO, C128A_RATIO)
 TOPK_FLASH = 512  # index_topk, DeepSeek-V4-Flash
 TOPK_PRO = 1024  # index_topk, DeepSeek-V4-Pro
 COMBINED_ALIGNMENT = 128  # combined rows are padded to a multiple of this
@@ -57,10 +62,11 @@ def combined_width(topk: int, window_size: int = WINDOW_SIZE, max_image_tokens: 
 
 
 def slots_per_page(compress_ratio: int, block_size: int = KV_BLOCK_SIZE) -> int:
-    """Entries in one compressed-cache page: 256 / ratio (ratio 1 gives the whole page)."""
-    if compress_ratio not in SUPPORTED_COMPRESS_RATIOS:
+    """Entries in one compressed-cache page: 256 / ratio (ratio 1 gives the whole page:
+    V4's window pages, or V4.1's full-length compressed cache)."""
+    if compress_ratio not in PAGED_COMPRESS_RATIOS:
         raise ValueError(
-            f"compress_ratio must be one of {SUPPORTED_COMPRESS_RATIOS}, got {compress_ratio}"
+            f"compress_ratio must be one of {PAGED_COMPRESS_RATIOS}, got {compress_ratio}"
         )
     return block_size // compress_ratio
 
