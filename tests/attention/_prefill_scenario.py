@@ -41,7 +41,11 @@ WINDOW_BS = 64
 KV_BS = 256
 SCALE = HEAD_DIM**-0.5
 LAYERS = ("swa", "c4a", "c128a")
-RATIO = {"swa": 1, "c4a": 4, "c128a": 128}
+# DeepSeek-V4.1's layers as the kernels see them: window-only, and top-k rows over a
+# full-length (ratio 1) or ratio-2 compressed cache
+V41_LAYERS = ("swa", "c1a", "c2a")
+RATIO = {"swa": 1, "c4a": 4, "c128a": 128, "c1a": 1, "c2a": 2}
+TOPK_LAYERS = ("c4a", "c1a", "c2a")
 PADDED_HEADS = 64  # vLLM pads q and the output to 64 heads for FlashMLA
 
 
@@ -75,6 +79,8 @@ class StepInputs:
     comp_table: torch.Tensor
     topk_indices: torch.Tensor  # C4A top-k of the step's tokens (+ spare rows)
     positions: list[tuple[str, torch.Tensor]]  # per request: its tokens' positions
+    # every top-k layer's rows (C4A's is ``topk_indices``; V4.1's per ratio)
+    topk: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 class Scenario:
@@ -91,8 +97,11 @@ class Scenario:
         device: torch.device,
         hole_fraction: float = 0.05,
         dense_chunk: int = 64,
+        layers: tuple[str, ...] = LAYERS,
     ) -> None:
         self.steps = steps
+        self.layers = layers
+        comp_layers = [layer for layer in layers if layer != "swa"]
         self.dense_chunk = dense_chunk
         self.heads = heads
         self.topk = topk
@@ -113,16 +122,16 @@ class Scenario:
         # bf16 keys per layer and request: window keys per position, compressed per entry
         self.window_keys = {
             layer: {n: random_keys(total[n], generator=g, device="cpu") for n in self.names}
-            for layer in LAYERS
+            for layer in layers
         }
         self.comp_keys = {
             layer: {
                 n: random_keys(total[n] // RATIO[layer], generator=g, device="cpu")
                 for n in self.names
             }
-            for layer in ("c4a", "c128a")
+            for layer in comp_layers
         }
-        self.sinks = {layer: random_sink(heads, generator=g, device="cpu") for layer in LAYERS}
+        self.sinks = {layer: random_sink(heads, generator=g, device="cpu") for layer in layers}
 
         # Block tables (one row per request, wider than needed).  Window pages a
         # request can no longer see are the null block 0, as vLLM's sliding-window
@@ -148,35 +157,36 @@ class Scenario:
             self.comp_rows[n] = crow
         num_w_blocks = sum(w_pages.values()) + 1
         num_c_blocks = sum(c_pages.values()) + 1
-        block_bytes = 3 * dk.k_cache_page_stride(WINDOW_BS)  # the widest group: 3 window pages
+        comp_pages = [(KV_BS // RATIO[layer], 1) for layer in comp_layers]
+        # the widest group's block: the window pages of every layer, or the compressed ones
+        block_bytes = max(
+            len(layers) * dk.k_cache_page_stride(WINDOW_BS),
+            sum(dk.k_cache_page_stride(slots) for slots, _ in comp_pages),
+        )
         wg = block_outer_k_cache_group(
-            num_w_blocks, [(WINDOW_BS, 3)], device, block_bytes=block_bytes, generator=g
+            num_w_blocks, [(WINDOW_BS, len(layers))], device, block_bytes=block_bytes, generator=g
         )
         cg = block_outer_k_cache_group(
-            num_c_blocks,
-            [(KV_BS // 4, 1), (KV_BS // 128, 1)],
-            device,
-            block_bytes=block_bytes,
-            generator=g,
+            num_c_blocks, comp_pages, device, block_bytes=block_bytes, generator=g
         )
-        self.window_cache = {layer: wg.views[0][i] for i, layer in enumerate(LAYERS)}
-        self.comp_cache = {"c4a": cg.views[0][0], "c128a": cg.views[1][0]}
+        self.window_cache = {layer: wg.views[0][i] for i, layer in enumerate(layers)}
+        self.comp_cache = {layer: cg.views[i][0] for i, layer in enumerate(comp_layers)}
         assert all(v.stride(0) == block_bytes for v in self.window_cache.values())
         self._written: dict[tuple[str, str, str], set[int]] = {}
         self.topk_rows: list[torch.Tensor] = []
 
     # --- per step ---------------------------------------------------------------------
 
-    def _topk_rows(self, step: list[StepRequest]) -> torch.Tensor:
-        """C4A top-k rows of the step's tokens: distinct request-local entries, random order,
-        a few holes, -1 past the token's entry count; a long request always picks an entry
-        past 2048 when it has one."""
+    def _topk_rows(self, step: list[StepRequest], ratio: int = 4) -> torch.Tensor:
+        """Top-k rows of the step's tokens (C4A at ratio 4, V4.1's at 1 and 2): distinct
+        request-local entries, random order, a few holes, -1 past the token's entry count;
+        a long request always picks an entry past 2048 when it has one."""
         g = self.g
         rows = []
         for r in step:
             for i in range(r.query):
                 pos = r.context + i
-                n = (pos + 1) // 4
+                n = (pos + 1) // ratio
                 row = torch.full((self.topk,), -1, dtype=torch.int32)
                 if n > 0:
                     pick = torch.randperm(n, generator=g)[: self.topk]
@@ -222,25 +232,35 @@ class Scenario:
     def prepare_step(self, s: int, *, qsl_base: int = 3) -> StepInputs:
         """Write the keys step ``s`` can see into the caches and return its metadata."""
         step = self.steps[s]
-        topk_rows = self._topk_rows(step)
+        topk = {
+            layer: self._topk_rows(step, RATIO[layer])
+            for layer in self.layers
+            if layer in TOPK_LAYERS
+        }
+        topk_rows = topk.get("c4a", next(iter(topk.values()), None))
+        if topk_rows is None:
+            topk_rows = torch.full((sum(r.query for r in step) + 2, self.topk), -1, dtype=torch.int32)
         t0 = 0
         positions = []
         for r in step:
             pos = torch.arange(r.context, r.context + r.query)
             positions.append((r.name, pos))
             lo = max(r.context - (WINDOW - 1), 0)
-            for layer in LAYERS:
+            for layer in self.layers:
                 self._insert(
                     layer, "window", r.name, list(range(lo, r.context + r.query)), r.context
                 )
-            rows = topk_rows[t0 : t0 + r.query]
-            lens = ((pos + 1) // 4).clamp(max=self.topk)
-            live = torch.arange(self.topk)[None, :] < lens[:, None]
-            c4a = rows[live & (rows >= 0)].tolist()
-            # entry c is complete (written by the compressor) at position (c+1)*ratio - 1
-            self._insert("c4a", "comp", r.name, c4a, r.context // 4)
-            n128 = min((r.context + r.query) // 128, self.c128a_topk)
-            self._insert("c128a", "comp", r.name, list(range(n128)), r.context // 128)
+            for layer, layer_rows in topk.items():
+                ratio = RATIO[layer]
+                rows = layer_rows[t0 : t0 + r.query]
+                lens = ((pos + 1) // ratio).clamp(max=self.topk)
+                live = torch.arange(self.topk)[None, :] < lens[:, None]
+                picked = rows[live & (rows >= 0)].tolist()
+                # entry c is complete (written by the compressor) at position (c+1)*ratio - 1
+                self._insert(layer, "comp", r.name, picked, r.context // ratio)
+            if "c128a" in self.layers:
+                n128 = min((r.context + r.query) // 128, self.c128a_topk)
+                self._insert("c128a", "comp", r.name, list(range(n128)), r.context // 128)
             t0 += r.query
         q = torch.tensor([r.query for r in step], dtype=torch.int32)
         qsl = torch.cat(
@@ -263,7 +283,14 @@ class Scenario:
         )[1:]
         d = self.device
         return StepInputs(
-            qsl.to(d), seq.to(d), int(q.sum()), w.to(d), c.to(d), topk_rows.to(d), positions
+            qsl.to(d),
+            seq.to(d),
+            int(q.sum()),
+            w.to(d),
+            c.to(d),
+            topk_rows.to(d),
+            positions,
+            {layer: rows.to(d) for layer, rows in topk.items()},
         )
 
     # --- dense oracle -----------------------------------------------------------------
@@ -301,9 +328,9 @@ class Scenario:
             if layer != "swa":
                 kc = self.comp_keys[layer][name]
                 n_c = kc.shape[0]
-                if layer == "c4a":
-                    rows = inputs.topk_indices[t0 : t0 + nq].cpu().long()
-                    lens = ((pos + 1) // 4).clamp(max=self.topk)
+                if layer in TOPK_LAYERS:
+                    rows = inputs.topk[layer][t0 : t0 + nq].cpu().long()
+                    lens = ((pos + 1) // RATIO[layer]).clamp(max=self.topk)
                     live = (torch.arange(self.topk)[None, :] < lens[:, None]) & (rows >= 0)
                     mask_c = torch.zeros((nq, n_c + 1), dtype=torch.bool)
                     mask_c.scatter_(1, torch.where(live, rows, n_c), True)
@@ -364,19 +391,20 @@ class Scenario:
         seq = inputs.seq_lens[:B]
         qlen = (qsl[1:] - qsl[:-1]).to(seq.dtype)
         gather = qlen + (seq - qlen).clamp(max=WINDOW - 1)
-        N = int((seq // ratio).max()) if ratio > 1 else 0
+        compressed = layer != "swa"
+        N = int((seq // ratio).max()) if compressed else 0
         M = N + int(gather.max())
         kv = torch.zeros((B, M, HEAD_DIM), dtype=torch.bfloat16, device=self.device)
-        if ratio > 1:
+        if compressed:
             ref.dequantize_and_gather_k_cache(
                 kv, self.comp_cache[layer], seq // ratio, None, inputs.comp_table, KV_BS // ratio, 0
             )
         ref.dequantize_and_gather_k_cache(
             kv, self.window_cache[layer], seq, gather, inputs.window_table, WINDOW_BS, N
         )
-        topk = {"swa": 0, "c4a": self.topk, "c128a": self.c128a_topk}[layer]
+        topk = 0 if layer == "swa" else self.c128a_topk if layer == "c128a" else self.topk
         combined, lens = ref.combine_topk_swa_indices(
-            inputs.topk_indices[:T] if layer == "c4a" else None,
+            inputs.topk[layer][:T] if layer in TOPK_LAYERS else None,
             qsl,
             seq,
             gather,

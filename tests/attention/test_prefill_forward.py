@@ -39,6 +39,8 @@ from dsv4_kernels.testing.sparse_mla import random_q
 from ._prefill_scenario import (
     RATIO,
     SCALE,
+    TOPK_LAYERS,
+    V41_LAYERS,
     Scenario,
     StepInputs,
     StepRequest,
@@ -61,14 +63,14 @@ def layer_kwargs(sc: Scenario, layer: str, inputs: StepInputs) -> dict[str, Any]
         swa_block_size=64,
         attn_sink=sc.sinks[layer].to(sc.device),
     )
-    if ratio > 1:
+    if layer != "swa":
         kw.update(
             comp_cache=sc.comp_cache[layer],
             comp_block_table=inputs.comp_table,
             comp_block_size=256 // ratio,
         )
-    if ratio == 4:
-        kw["topk_indices"] = inputs.topk_indices
+    if layer in TOPK_LAYERS:
+        kw["topk_indices"] = inputs.topk[layer]
     if ratio == 128:
         kw["c128a_topk"] = sc.c128a_topk
     return kw
@@ -133,6 +135,11 @@ def run_scenario(
             ref = reference_forward_prefill(q_pad[:, :H], plan, lse=ref_lse, **kw)
             tol_ref = 2.0**-7 * dense_rt["abs_pk"] + 2.0**-7 * dense_rt["out"].abs() + 1e-5
             assert_within(o[:T, :H], ref.cpu().to(torch.float64), tol_ref, f"{what}: vs reference")
+            if layer == "c1a":
+                # V4's combine (the workspace path's reference) reads ratio 1 as SWA-only;
+                # V4.1's own combine is another vLLM function: the dense oracle above is
+                # this layer's check
+                continue
             # vLLM's own path (bf16 workspace + request-local rows) sees the same keys
             ws_out, ws_lse = sc.workspace_forward(layer, inputs, q)
             assert_within(
@@ -171,6 +178,24 @@ def test_dsv4_shaped_prefill() -> None:
     # One index launch per layer type and step: the window rows (reused by the
     # other layers), the C4A rows, the C128A rows.
     run_scenario(sc, ["swa", "c4a", "c128a"], padded_heads=8, expect_launches=lambda s: 3)
+
+
+def test_v41_shaped_prefill() -> None:
+    """DeepSeek-V4.1's layers: window-only, and top-k rows over a full-length (ratio 1)
+    and a ratio-2 compressed cache (each token reads its first ``min((pos+1)//r, topk)``
+    top-k columns, as vLLM's V4.1 combine computes them), 584-byte records in block-outer
+    pages of 256 and 128 entries; equal to the dense float64 oracle, the torch reference
+    and vLLM's workspace path.  One launch for the window rows, one per top-k layer."""
+    sc = Scenario(
+        CPU_STEPS,
+        heads=3,
+        topk=16,
+        c128a_topk=32,
+        seed=fresh_seed(),
+        device=kernel_device(),
+        layers=V41_LAYERS,
+    )
+    run_scenario(sc, ["c1a", "swa", "c2a"], padded_heads=8, expect_launches=lambda s: 2)
 
 
 @pytest.mark.parametrize("group", [2, 3, 4])

@@ -17,7 +17,7 @@ from dsv4_kernels.sparse_mla import prefill_group_size
 from dsv4_kernels.testing import fresh_seed
 from dsv4_kernels.testing.sparse_mla import random_q
 
-from ._prefill_scenario import Scenario, StepRequest
+from ._prefill_scenario import V41_LAYERS, Scenario, StepRequest
 from .test_prefill_forward import layer_kwargs, run_scenario
 
 pytestmark = pytest.mark.gpu
@@ -49,6 +49,23 @@ def test_dsv4_shaped_prefill_gpu(heads: int, gpu: torch.device) -> None:
     q = torch.empty((1, heads, 512), dtype=torch.bfloat16, device=gpu)
     launches = 2 if prefill_group_size(q) == 1 else 3
     run_scenario(sc, ["c4a", "swa", "c128a"], padded_heads=64, expect_launches=lambda s: launches)
+
+
+@pytest.mark.parametrize("heads,topk", [(8, 512), (16, 1024)])
+def test_v41_shaped_prefill_gpu(heads: int, topk: int, gpu: torch.device) -> None:
+    """DeepSeek-V4.1's layers at TP8's heads (window-only; top-k rows over full-length and
+    ratio-2 compressed caches, pages of 256 and 128 entries): equal to the float64 oracle
+    on every token and head, every real-head element written, nothing else."""
+    sc = Scenario(
+        GPU_STEPS,
+        heads=heads,
+        topk=topk,
+        c128a_topk=256,
+        seed=fresh_seed(),
+        device=gpu,
+        layers=V41_LAYERS,
+    )
+    run_scenario(sc, ["c1a", "swa", "c2a"], padded_heads=64)
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
