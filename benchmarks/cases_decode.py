@@ -53,12 +53,20 @@ DP_STEPS = (1, 16, 64, 256, 1024)
 ROTATE = 8
 _CACHE: dict[str, Any] = {}  # page pools per layer type and the scratch, shared by cases
 # Pool pages per layer type (window pages of 64 slots; compressed pages of 64 or 2 slots).
-POOL_PAGES = {"swa": (4096, 0), "c4a": (4096, 4096), "c128a": (4096, 131072)}
+POOL_PAGES = {
+    "swa": (4096, 0),
+    "c4a": (4096, 4096),
+    "c128a": (4096, 131072),
+    # DeepSeek-V4.1's top-k layers: pages of 256 (ratio 1) and 128 (ratio 2) entries
+    "c1a": (4096, 1024),
+    "c2a": (4096, 2048),
+}
+TOPK_LAYERS = ("c4a", "c1a", "c2a")
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeShape:
-    layer: str  # c4a | c128a | swa
+    layer: str  # c4a | c128a | swa; V4.1's top-k layers c1a | c2a
     model: str
     heads: int
     topk: int
@@ -71,18 +79,24 @@ class DecodeShape:
         return f"{self.layer}-{self.model}-t{self.tokens}{mtp}"
 
 
-def matrix() -> list[DecodeShape]:
+def matrix(layers: Sequence[str] = ("c4a", "c128a", "swa"), dp: bool = True) -> list[DecodeShape]:
     out = []
-    for layer in ("c4a", "c128a", "swa"):
+    for layer in layers:
         for model, heads, topk in (("flash-tp8", 8, 512), ("pro-tp8", 16, 1024)):
             out += [DecodeShape(layer, model, heads, topk, t, 1) for t in STEPS]
             out += [DecodeShape(layer, model, heads, topk, t, 2) for t in MTP_STEPS]
-    out += [DecodeShape("c4a", "flash-dp", 64, 512, t, 1) for t in DP_STEPS]
+    if dp:
+        out += [DecodeShape("c4a", "flash-dp", 64, 512, t, 1) for t in DP_STEPS]
     return out
+
+
+# DeepSeek-V4.1's top-k layers at TP8 (its window-only layers are the "swa" rows)
+V41_LAYERS = ("c1a", "c2a")
 
 
 SMOKE = [
     DecodeShape("c4a", "h3", 3, 64, 1, 1),
+    DecodeShape("c1a", "h8", 8, 32, 2, 1),
     DecodeShape("c128a", "h8", 8, 0, 2, 1),
     DecodeShape("swa", "h16", 16, 0, 4, 2),
 ]
@@ -158,7 +172,7 @@ def build_cases(
     shapes = list(shapes if shapes is not None else (SMOKE if smoke else matrix()))
     max_t = max(s.tokens for s in shapes)
     max_h = max(s.heads for s in shapes)
-    widths = [128 + (s.topk if s.layer == "c4a" else 0) for s in shapes]
+    widths = [128 + (s.topk if s.layer in TOPK_LAYERS else 0) for s in shapes]
     widths.append(128 + (C128A_WIDTH if gpu else context // 128))
     sizes = dk.decode_scratch_sizes(max(max_t, 1024 if gpu else 1), max(max_h, 64 if gpu else 1),
                                     max(widths), device, policy=policy)  # fmt: skip
@@ -178,7 +192,7 @@ def build_cases(
             )
         pool = pools[shape.layer]
         reqs = shape.tokens // shape.per_request
-        topk = shape.topk if shape.layer == "c4a" else 512
+        topk = shape.topk if shape.layer in TOPK_LAYERS else 512
         sets = [
             td.decode_rows(
                 pool,
@@ -398,6 +412,7 @@ def run(
     rep_ms: int,
     only: Sequence[str] = (),
     log: Callable[[str], None] = print,
+    shapes_pool: Sequence[DecodeShape] | None = None,
 ) -> list[Result]:
     """Build, check and time the matrix one case at a time (each case's graphs and
     buffers are freed before the next); results per call, with the launch floor."""
@@ -406,7 +421,7 @@ def run(
     gpu = device.type == "cuda"
     launch = launch_floor_us(device)
     log(f"decode: one graph-replayed kernel {launch:.2f} us")
-    pool = SMOKE if smoke or not gpu else matrix()
+    pool = SMOKE if smoke or not gpu else list(shapes_pool or matrix())
     shapes = [s for s in pool if not only or any(o in s.name for o in only)]
     results: list[Result] = []
     for shape in shapes:
@@ -428,6 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated case-name substrings")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--rep-ms", type=int, default=40)
+    p.add_argument(
+        "--v41",
+        action="store_true",
+        help="DeepSeek-V4.1's top-k layers (ratio 1 and 2 pages) at TP8 instead of V4's matrix",
+    )
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
@@ -437,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     env.update(copy_bandwidth_gbps=f"{bw / 1e9:.1f}")
     print(f"device {env['gpu']} torch {env['torch']} triton {env['triton']} sha {env['git_sha']}"
           f" bandwidth {bw / 1e9:.0f} GB/s")  # fmt: skip
-    results = run(device, not gpu, bw, args.rep_ms, only)
+    pool = matrix(V41_LAYERS, dp=False) if args.v41 else None
+    results = run(device, not gpu, bw, args.rep_ms, only, shapes_pool=pool)
     text = summarise(results)[0]
     print(text)
     if args.out is not None:

@@ -59,6 +59,7 @@ import torch
 from .cases_metadata import fresh_seed
 from .harness import BenchCase, Provider, Result
 from .inputs_sparse_mla import (  # re-exported: the sweeps, profiler and tests import them here
+    MATRICES,
     MATRIX,
     SCALE,
     SMOKE,
@@ -80,6 +81,8 @@ FLASHMLA = "flashmla-64h"
 FLASHMLA_GATHER = "flashmla-64h+gather"
 VLLM_FLASHMLA = "vllm-flashmla-native"
 VLLM_FLASHMLA_GATHER = "vllm-flashmla-native+gather"
+# the bundled kernel padded to 64 heads: what vLLM 0.33's V4 class calls
+VLLM_FLASHMLA_PADDED = "vllm-flashmla-64h"
 
 
 def attention_provider(
@@ -149,9 +152,12 @@ def vllm_flashmla_providers(
 ) -> list[Provider]:
     """vLLM 0.33's bundled FlashMLA (loaded) at the real heads: :data:`VLLM_FLASHMLA` on
     the bf16 workspace and :data:`VLLM_FLASHMLA_GATHER` (the workspace gathers and the
-    combine, then the kernel).  One call first: a case the kernel refuses (a head count
-    it does not take, an ABI mismatch at the first call) is reported, not timed."""
-    from .flashmla_vllm import NativeFlashMLA
+    combine, then the kernel); below 64 heads also :data:`VLLM_FLASHMLA_PADDED`, the same
+    build padded to 64 heads as vLLM's V4 class calls it.  One call first: a case the
+    kernel refuses (a head count it does not take, an ABI mismatch at the first call) is
+    reported, not timed."""
+    from .flashmla_provider import PaddedFlashMLA
+    from .flashmla_vllm import NativeFlashMLA, load_sparse_fwd
 
     try:
         fm = NativeFlashMLA(inp.q, inp.workspace, inp.combined, inp.combined_lens, SCALE, inp.sink)
@@ -166,10 +172,22 @@ def vllm_flashmla_providers(
         inp.build_combined()
         fm()
 
-    return [
+    found = [
         attention_provider(name, run, fm.outputs, fm.poison, inp, want, tokens)
         for name, run in ((VLLM_FLASHMLA, fm), (VLLM_FLASHMLA_GATHER, vllm_layer))
     ]
+    fn, _ = load_sparse_fwd()
+    if fn is not None and inp.q.shape[1] < 64:
+        padded = PaddedFlashMLA(
+            inp.q, inp.workspace, inp.combined, inp.combined_lens, SCALE, inp.sink,
+            fn=fn, heads=64, out=True,
+        )  # fmt: skip
+        found.append(
+            attention_provider(
+                VLLM_FLASHMLA_PADDED, padded, padded.outputs, padded.poison, inp, want, tokens
+            )
+        )
+    return found
 
 
 def index_build_provider(
@@ -198,7 +216,7 @@ def grouped_size(inp: AttnInputs) -> int:
     """Tokens per group for the grouped provider (0: none for this case)."""
     from dsv4_kernels.sparse_mla import prefill_group_size
 
-    if inp.shape.layer == "c4a":
+    if inp.shape.topk_rows:
         return 0
     size = prefill_group_size(inp.q, inp.tiles)
     if size == 1:
@@ -280,7 +298,7 @@ def case_params(inp: AttnInputs) -> dict[str, Any]:
         "query_len": shape.query_len,
         "context": shape.context,
         "heads": shape.heads,
-        "topk": shape.topk if shape.layer == "c4a" else inp.topk_width,
+        "topk": shape.topk if shape.topk_rows else inp.topk_width,
         "keys_mean": float(keys.float().mean()),
         "keys_total": int(keys.sum()),
         "seed": inp.seed,
@@ -322,11 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated case-name substrings")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--rep-ms", type=int, default=100)
+    p.add_argument(
+        "--matrix",
+        default="default",
+        choices=sorted(MATRICES),
+        help="default: 1x16384@128K and 16x1024 at 8, 16, 32, 64 heads; context: 4K and 16K "
+        "tokens at 8K, 128K, 1M context (TP8); v41: DeepSeek-V4.1's top-k layers",
+    )
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     only = [s for s in args.only.split(",") if s]
-    pool = MATRIX if gpu else SMOKE
+    pool = MATRICES[args.matrix] if gpu else SMOKE
     shapes = [s for s in pool if not only or any(o in s.name for o in only)]
     env = harness.environment(device)
     bw = harness.copy_bandwidth(device)

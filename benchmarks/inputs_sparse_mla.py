@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 SCALE = 512**-0.5
+TOPK_LAYERS = ("c4a", "c1a", "c2a")
 WINDOW = 128
 SWA_BLOCK = 64
 # Tokens whose output is compared with the reference (every CHECK_STRIDE-th, and the last).
@@ -20,16 +21,21 @@ CHECK_TOKENS = 256
 @dataclasses.dataclass(frozen=True)
 class AttnShape:
     name: str
-    layer: str  # c4a | c128a | swa
+    layer: str  # c4a | c128a | swa; DeepSeek-V4.1's top-k layers c1a | c2a
     num_reqs: int
     query_len: int
     context: int  # tokens of each request after this chunk (query included)
     heads: int
-    topk: int  # C4A top-k (512 Flash, 1024 Pro); ignored otherwise
+    topk: int  # top-k rows' width (512 Flash, 1024 Pro); ignored for SWA and C128A
 
     @property
     def ratio(self) -> int:
-        return {"c4a": 4, "c128a": 128, "swa": 1}[self.layer]
+        return {"c4a": 4, "c128a": 128, "swa": 1, "c1a": 1, "c2a": 2}[self.layer]
+
+    @property
+    def topk_rows(self) -> bool:
+        """Whether the layer reads the indexer's top-k (C4A, V4.1's ratio-1 and -2 layers)."""
+        return self.layer in TOPK_LAYERS
 
 
 def shape_matrix(
@@ -48,12 +54,30 @@ def shape_matrix(
 
 
 MODELS = (("flash-tp8", 8, 512), ("pro-tp8", 16, 1024), ("flash-dp", 64, 512))
+# 32 local heads: V4-Pro at TP4, V4-Flash at TP2 (the bundled FlashMLA's largest small-heads
+# count on SM90)
+MODELS_32 = (("pro-tp4", 32, 1024), ("flash-tp2", 32, 512))
 BATCHES = (("1x16384@131072", 1, 16384, 131072), ("16x1024", 16, 1024, 1024))
-MATRIX = shape_matrix(BATCHES, MODELS)
+MATRIX = shape_matrix(BATCHES, MODELS) + shape_matrix(BATCHES, MODELS_32)
+# Issue 30's prefill sweep: one request's chunk of 4,096 or 16,384 tokens at 8K, 128K and
+# 1M context (``python -m benchmarks.cases_sparse_mla --matrix context``)
+CONTEXT_BATCHES = tuple(
+    (f"1x{q}@{ctx}", 1, q, ctx) for q in (4096, 16384) for ctx in (8192, 131072, 1048576)
+)
+CONTEXT_MATRIX = shape_matrix(CONTEXT_BATCHES, MODELS[:2])
+# DeepSeek-V4.1's layers (top-k rows over full-length and ratio-2 caches; window-only)
+V41_MATRIX = shape_matrix(
+    (("1x4096@131072", 1, 4096, 131072), ("16x1024", 16, 1024, 1024)),
+    MODELS[:2],
+    layers=("c1a", "c2a"),
+)
+MATRICES = {"default": MATRIX, "context": CONTEXT_MATRIX, "v41": V41_MATRIX}
 SMOKE = [
     AttnShape("c4a-h3-1x6@300", "c4a", 1, 6, 300, 3, 16),
     AttnShape("c128a-h16-2x4@700", "c128a", 2, 4, 700, 16, 0),
     AttnShape("swa-h8-2x5", "swa", 2, 5, 5, 8, 0),
+    AttnShape("c1a-h3-1x6@300", "c1a", 1, 6, 300, 3, 16),
+    AttnShape("c2a-h8-2x4@90", "c2a", 2, 4, 90, 8, 16),
 ]
 
 
@@ -179,7 +203,7 @@ class AttnInputs:
         c = self.index_case
         topk = self.topk_width
         dk.combine_topk_swa_indices(
-            c.topk_indices if self.shape.layer == "c4a" else None,
+            c.topk_indices if self.shape.topk_rows else None,
             c.query_start_loc,
             c.seq_lens,
             self.gather_lens,
@@ -210,9 +234,10 @@ def make_inputs(shape: AttnShape, device: torch.device, seed: int, tiles: Any = 
         [shape.query_len] * shape.num_reqs,
         [shape.context - shape.query_len] * shape.num_reqs,
         compress_ratio=ratio,
-        topk=shape.topk if shape.layer == "c4a" else None,
+        topk=shape.topk if shape.topk_rows else None,
         device=device,
         seed=seed,
+        topk_rows=shape.topk_rows,
     )
     T = case.num_tokens
     q = ts.random_q(T, shape.heads, generator=g, device=device)
@@ -220,13 +245,13 @@ def make_inputs(shape: AttnShape, device: torch.device, seed: int, tiles: Any = 
     swa = ts.paged_cache(case.window_num_pages, SWA_BLOCK, generator=g, device=device)
     comp = None
     comp_bs = None
-    if ratio > 1:
+    if shape.layer != "swa":
         comp_bs = case.comp_block_size  # geometry.slots_per_page(ratio)
         comp = ts.paged_cache(case.comp_num_pages, comp_bs, generator=g, device=device)
     rows = case.build()
     seq = case.seq_lens
     gather = torch.clamp(seq, max=shape.query_len + WINDOW - 1)
-    N = shape.context // ratio if ratio > 1 else 0
+    N = shape.context // ratio if shape.layer != "swa" else 0
     M = N + min(shape.context, shape.query_len + WINDOW - 1)
     width = combined_width(0 if shape.layer == "swa" else case.topk)
     inp = AttnInputs(

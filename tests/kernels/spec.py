@@ -40,7 +40,7 @@ def spec_combine(
         q_len = qsl[b + 1] - qsl[b]
         pos = seq_len - q_len + (t - qsl[b])
         gather_start = seq_len - int(gather_lens[b])
-        topk_len = min(max((pos + 1) // ratio, 0), topk) if ratio > 1 else 0
+        topk_len = min(max((pos + 1) // ratio, 0), topk) if ratio > 1 or topk else 0
         if left is None:
             swa_start = max(pos - (window - 1), 0)
             swa_len = max(min(pos + 1, window), 0)

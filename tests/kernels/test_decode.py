@@ -36,7 +36,7 @@ def _scratch(device: torch.device) -> dk.DecodeScratch:
     return dk.make_decode_scratch(dk.DecodeScratchSizes(64, 16, 16), device)
 
 
-@pytest.mark.parametrize("layer", ["c4a", "c128a", "swa"])
+@pytest.mark.parametrize("layer", ["c4a", "c128a", "swa", "c1a", "c2a"])  # c1a, c2a: V4.1
 @pytest.mark.parametrize("per_request", [1, 2, 3, 4])
 def test_decode_matches_oracle(layer: str, per_request: int, kernel_device: torch.device) -> None:
     """Splits off (1), forced (2, 3 chunks) and chosen from the sizes; holes, junk past

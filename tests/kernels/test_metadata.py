@@ -71,6 +71,9 @@ LAYERS = {
     "c128a": (128, 8, False),
     "c128a-generated": (128, 8, True),
     "swa": (1, 0, False),
+    # DeepSeek-V4.1's top-k layers (full-length ratio 1, ratio 2), as its combine reads them
+    "c1a": (1, 64, False),
+    "c2a": (2, 64, False),
 }
 
 
@@ -283,12 +286,15 @@ def _meta_like(t: object) -> torch.Tensor:
         (lambda a: a.update(seq_lens=a["seq_lens"][None]), "seq_lens must be 1-dimensional"),
         (lambda a: a.update(topk_indices=a["topk_indices"][0]), "topk_indices must be 2-dim"),
         (lambda a: a.update(seq_lens=_meta_like(a["seq_lens"])), "seq_lens must be on cpu"),
-        (lambda a: a.update(compress_ratio=2), "compress_ratio must be one of"),
+        (lambda a: a.update(compress_ratio=3), "compress_ratio must be one of"),
         (lambda a: a.update(topk=17), r"topk \(17\) is wider than topk_indices"),
         (lambda a: a.update(M=-1), "M must be >= 0"),
         (lambda a: a.update(N=-5), "N must be >= 0"),
         (lambda a: a.update(window_size=0), "window_size must be > 0"),
-        (lambda a: a.update(compress_ratio=1), "topk must be 0 for SWA-only"),
+        (
+            lambda a: a.update(compress_ratio=1, topk_indices=None),
+            "topk must be 0 for SWA-only",
+        ),
         (lambda a: a.update(topk_indices=None), "topk_indices may be None only"),
         (
             lambda a: a.update(out=torch.empty((6, 128), dtype=torch.int32)),

@@ -24,7 +24,7 @@ from ._validation import (
 from .geometry import (
     C128A_RATIO,
     COMBINED_ALIGNMENT,
-    SUPPORTED_COMPRESS_RATIOS,
+    PAGED_COMPRESS_RATIOS,
     combined_width,
 )
 
@@ -82,17 +82,20 @@ def _combine_args(
     check_length("query_start_loc", query_start_loc, num_reqs + 1, "len(seq_lens) + 1")
     check_length("gather_lens", gather_lens, num_reqs, "one per request, like seq_lens")
     check_positive_int("window_size", window_size)
-    if compress_ratio not in SUPPORTED_COMPRESS_RATIOS:
+    if compress_ratio not in PAGED_COMPRESS_RATIOS:
         raise ValueError(
-            f"compress_ratio must be one of {SUPPORTED_COMPRESS_RATIOS} "
-            f"(SWA-only, C4A, C128A), got {compress_ratio}"
+            f"compress_ratio must be one of {PAGED_COMPRESS_RATIOS} (SWA-only or V4.1's "
+            f"full-length top-k rows, V4.1's ratio 2, C4A, C128A), got {compress_ratio}"
         )
     check_nonnegative_int("topk", topk)
     check_nonnegative_int("M", M)
     check_nonnegative_int("N", N)
     check_nonnegative_int("max_image_tokens", max_image_tokens)
-    if compress_ratio == 1 and topk != 0:
-        raise ValueError(f"topk must be 0 for SWA-only layers (compress_ratio 1), got {topk}")
+    if compress_ratio == 1 and topk != 0 and topk_indices is None:
+        raise ValueError(
+            f"topk must be 0 for SWA-only layers (compress_ratio 1 without topk_indices), "
+            f"got {topk}"
+        )
 
     if num_tokens is not None:
         check_nonnegative_int("num_tokens", num_tokens)
@@ -179,9 +182,11 @@ def combine_topk_swa_indices(
         gather_lens: ``[num_reqs]`` int32 tokens of each request gathered
             into the window region of the workspace.
         window_size: sliding window W (128 for DSV4).
-        compress_ratio: 1 (SWA-only), 4 (C4A) or 128 (C128A).
-        topk: top-k width (``index_topk`` for C4A, the active compressed width
-            for C128A, 0 for SWA-only).
+        compress_ratio: 1 (SWA-only), 4 (C4A) or 128 (C128A); DeepSeek-V4.1's
+            top-k layers 1 (full-length, with ``topk_indices`` and ``topk > 0``)
+            or 2, as vLLM's V4.1 combine reads them.
+        topk: top-k width (``index_topk`` for C4A and V4.1, the active compressed
+            width for C128A, 0 for SWA-only).
         M: workspace rows per request.  N: first window row within a request.
         out: optional ``[>= num_tokens, Wc]`` int32 output (its first
             ``num_tokens`` rows are written and returned), ``Wc = ceil((topk + W
@@ -258,7 +263,7 @@ def combine_constexprs(
     """The combine kernel's compile-time arguments (the launch and the codegen probe share them)."""
     return dict(
         WINDOW=window_size,
-        RATIO=compress_ratio if compress_ratio > 1 else 0,
+        RATIO=compress_ratio if compress_ratio > 1 or has_topk else 0,
         HAS_TOPK=has_topk,
         HAS_IMAGES=has_images,
         TOPK_ALIGN=topk_align,
@@ -315,7 +320,7 @@ def _launch_combine(
         out.stride(0),
         num_tokens,
         seq_lens.shape[0],
-        topk if compress_ratio > 1 else 0,
+        topk if compress_ratio > 1 or has_topk else 0,
         width // COMBINED_ALIGNMENT,
         M,
         N,

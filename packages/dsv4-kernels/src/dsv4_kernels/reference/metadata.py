@@ -68,7 +68,7 @@ def combine_topk_swa_indices(
     seq = seq_lens.long()[req]
     q_start, q_end = qsl[req], qsl[req + 1]
     pos = seq - (q_end - q_start) + (t - q_start)
-    if compress_ratio > 1:
+    if compress_ratio > 1 or topk_indices is not None:  # V4.1's full-length rows at ratio 1
         topk_len = torch.div(pos + 1, compress_ratio, rounding_mode="floor").clamp(0, topk)
     else:
         topk_len = torch.zeros_like(pos)

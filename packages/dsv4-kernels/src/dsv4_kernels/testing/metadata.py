@@ -134,7 +134,7 @@ def make_batch(
     M = int(randint(topk + 600, topk + 5000))
     N = int(randint(max(topk, 1), M - 450))
     topk_indices = None
-    if ratio > 1 and not generate_topk:
+    if (ratio > 1 or topk > 0) and not generate_topk:  # ratio 1 with a top-k: V4.1
         width = topk + extra_topk_cols
         # includes -1 and, unless entries_past_n is 0, entries >= N
         topk_indices = randint(-1, N + entries_past_n, (num_tokens, width))
