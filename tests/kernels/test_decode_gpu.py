@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dsv4_kernels as dk
-from dsv4_kernels import decode as dec
+from dsv4_kernels import _paged_keys
 from dsv4_kernels.testing import decode as td
 from dsv4_kernels.testing.common import fresh_seed
 
@@ -24,7 +24,7 @@ _POOLS: dict[str, td.DecodePools] = {}
 def _pools(layer: str, gpu: torch.device) -> td.DecodePools:
     if layer not in _POOLS:
         g = torch.Generator(device=gpu).manual_seed(fresh_seed())
-        comp = {"swa": 0, "c4a": 2048, "c128a": 65536}[layer]
+        comp = {"swa": 0, "c4a": 2048, "c128a": 65536, "c1a": 512, "c2a": 1024}[layer]
         _POOLS[layer] = td.make_pools(layer, swa_pages=1024, comp_pages=comp, generator=g,
                                       device=gpu, layers_per_block=2)  # fmt: skip
     return _POOLS[layer]
@@ -84,7 +84,7 @@ def _sample_check(case: td.DecodeCase, out: torch.Tensor, lse: torch.Tensor) -> 
     check(out[s], lse[s], want)
 
 
-@pytest.mark.parametrize("layer", ["c4a", "c128a", "swa"])
+@pytest.mark.parametrize("layer", ["c4a", "c128a", "swa", "c1a", "c2a"])
 @pytest.mark.parametrize("heads", [8, 16, 3, 64])
 @pytest.mark.parametrize("tokens,per_request", [(1, 1), (4, 4), (32, 2), (256, 1), (48, 3)])
 def test_decode_matrix(layer: str, heads: int, tokens: int, per_request: int,
@@ -96,13 +96,20 @@ def test_decode_matrix(layer: str, heads: int, tokens: int, per_request: int,
     if heads <= 16:
         from dsv4_kernels import _gluon_decode
 
-        assert not dec._GLUON_BROKEN, dec._GLUON_BROKEN
+        assert not _paged_keys.SPLIT_BROKEN, _paged_keys.SPLIT_BROKEN
         assert _gluon_decode.compiled_variants() > 0, "the wgmma split kernel did not run"
 
 
 def test_decode_graph_replay_with_new_rows(gpu: torch.device) -> None:
     """Capture once; write new rows and lengths into the same buffers; replay == eager."""
-    for layer, tokens, heads in (("c4a", 4, 8), ("c128a", 16, 16), ("swa", 2, 8), ("c4a", 512, 16)):
+    for layer, tokens, heads in (
+        ("c4a", 4, 8),
+        ("c128a", 16, 16),
+        ("swa", 2, 8),
+        ("c4a", 512, 16),
+        ("c1a", 8, 8),  # DeepSeek-V4.1's top-k layers
+        ("c2a", 64, 16),
+    ):
         case = _case(layer, tokens, 2 if tokens > 2 else 1, heads, gpu)
         T, H, _ = case.q.shape
         out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=gpu)
@@ -132,7 +139,7 @@ def test_decode_graph_replay_with_new_rows(gpu: torch.device) -> None:
             _sample_check(case, out, lse)
 
 
-@pytest.mark.parametrize("layer", ["c4a", "c128a", "swa"])
+@pytest.mark.parametrize("layer", ["c4a", "c128a", "swa", "c1a", "c2a"])
 @pytest.mark.parametrize("heads,tokens", [(8, 1), (16, 2), (8, 64), (16, 512)])
 def test_matches_flashmla_decode(layer: str, heads: int, tokens: int, gpu: torch.device) -> None:
     from benchmarks.flashmla_decode import PaddedFlashMLADecode, load_decode

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from dsv4_kernels import _paged_keys as pk
 from dsv4_kernels import sparse_mla as sm
 
 WGMMA = {**sm.TILES["small"], "KERNEL": 2}
@@ -23,7 +24,7 @@ _ARGS = (torch.empty(4, 8, 512, dtype=torch.bfloat16), torch.empty(4, 8, 512, dt
 
 
 class _CudaLike:
-    """What ``_wgmma_ok`` reads of ``q``: its shape and its device."""
+    """What ``wgmma_runs`` reads of ``q``: its shape and its device."""
 
     def __init__(self, heads: int) -> None:
         self.shape = (4, heads, 512)
@@ -42,7 +43,7 @@ def hopper(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 def test_wgmma_runs_on_hopper_up_to_16_heads_with_aligned_pages(
     heads: int, hopper: pytest.MonkeyPatch
 ) -> None:
-    assert sm._wgmma_ok(_CudaLike(heads), WGMMA, True, True)
+    assert pk.wgmma_runs(_CudaLike(heads), WGMMA, True, True)
 
 
 @pytest.mark.parametrize(
@@ -69,11 +70,11 @@ def test_triton_kernel_runs_everywhere_else(
 ) -> None:
     hopper.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     hopper.setattr(sm, "wgmma_available", lambda: available)
-    assert not sm._wgmma_ok(_CudaLike(heads), tiles, paged, aligned), why
+    assert not pk.wgmma_runs(_CudaLike(heads), tiles, paged, aligned), why
 
 
 def test_cpu_tensors_never_take_the_wgmma_kernel(hopper: pytest.MonkeyPatch) -> None:
-    assert not sm._wgmma_ok(torch.zeros(2, 8, 512, dtype=torch.bfloat16), WGMMA, True, True)
+    assert not pk.wgmma_runs(torch.zeros(2, 8, 512, dtype=torch.bfloat16), WGMMA, True, True)
 
 
 class _FailingKernel:
@@ -110,7 +111,7 @@ def test_a_kernel_that_does_not_build_falls_back_once_with_a_warning(
 ) -> None:
     kernel = _fake_gluon(monkeypatch, compiled=0)
     with pytest.warns(RuntimeWarning, match="the Triton kernel runs instead"):
-        assert not sm._launch_wgmma(4, 8, _ARGS, {}, WGMMA)
+        assert not pk.launch_wgmma(4, 8, _ARGS, {}, WGMMA)
     assert kernel.launches == 1
     assert "PassManager::run failed" in sm._WGMMA_BROKEN[0]
     assert not sm.wgmma_available()  # later calls go straight to the Triton kernel
@@ -119,25 +120,89 @@ def test_a_kernel_that_does_not_build_falls_back_once_with_a_warning(
         hopper_q = _CudaLike(8)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
         monkeypatch.setattr(sm, "interpreter_enabled", lambda: False)
-        assert not sm._wgmma_ok(hopper_q, WGMMA, True, True)
+        assert not pk.wgmma_runs(hopper_q, WGMMA, True, True)
 
 
 def test_an_error_after_the_kernel_has_built_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_gluon(monkeypatch, compiled=1)
     with pytest.raises(RuntimeError, match="PassManager"):
-        sm._launch_wgmma(4, 8, _ARGS, {}, WGMMA)
+        pk.launch_wgmma(4, 8, _ARGS, {}, WGMMA)
     assert sm._WGMMA_BROKEN == []
+
+
+@pytest.mark.parametrize("heads", [1, 8, 16])
+def test_the_decode_split_kernel_takes_wgmma_wherever_it_runs(
+    heads: int, hopper: pytest.MonkeyPatch
+) -> None:
+    """The split kernel's tiles name no kernel: the choice is the device, the heads and
+    the alignment (and its own build record)."""
+    assert pk.wgmma_runs(_CudaLike(heads), {**WGMMA, "KERNEL": 0}, True, True, split=True)
+    assert not pk.wgmma_runs(_CudaLike(heads), WGMMA, True, False, split=True)
+    assert not pk.wgmma_runs(_CudaLike(17), WGMMA, True, True, split=True)
+    hopper.setattr(pk, "SPLIT_BROKEN", ["CompilationError"])
+    assert not pk.wgmma_runs(_CudaLike(heads), WGMMA, True, True, split=True)
+    assert pk.wgmma_runs(_CudaLike(heads), WGMMA, True, True)  # not the per-token kernel
+
+
+class _Recording:
+    """A Triton kernel whose launches are counted, not run."""
+
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(*args: object, **kwargs: object) -> None:
+            self.launches += 1
+
+        return launch
+
+
+def test_a_split_kernel_that_does_not_build_falls_back_once_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The decode's wgmma split kernel fails to build: one warning, the Triton split kernel
+    then and from then on; the failure goes to the split kernel's own record, not to the
+    per-token kernel's (which :func:`wgmma_available` publishes)."""
+    import dsv4_kernels
+    from dsv4_kernels import _triton_decode
+    from dsv4_kernels.geometry import page_stride_bytes
+
+    kernel = _FailingKernel()
+    fake = types.ModuleType("dsv4_kernels._gluon_decode")
+    fake._decode_split_wgmma_kernel = kernel  # type: ignore[attr-defined]
+    fake.compiled_variants = lambda: 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "dsv4_kernels._gluon_decode", fake)
+    monkeypatch.setattr(dsv4_kernels, "_gluon_decode", fake, raising=False)
+    split = _Recording()
+    monkeypatch.setattr(_triton_decode, "_decode_split_kernel", split)
+    monkeypatch.setattr(sm, "_hopper_runs_wgmma", lambda device: True)
+    monkeypatch.setattr(sm, "_WGMMA_BROKEN", [])
+    monkeypatch.setattr(pk, "SPLIT_BROKEN", [])
+    cache = torch.zeros(2, page_stride_bytes(64), dtype=torch.uint8)
+    rows = torch.zeros(2, 64, dtype=torch.int32)
+    keys = pk.check_paged_keys(cache, rows, None, 64, None, None, None, None, 2, cache.device)
+    q = torch.zeros(2, 8, 512, dtype=torch.bfloat16)
+    po, plse = torch.empty(6, 8, 512), torch.empty(6, 8)
+    with pytest.warns(RuntimeWarning, match="wgmma decode kernel did not build"):
+        pk.launch_split(q, po, plse, keys, scale=0.04, splits=3, chunk=64)
+    assert (kernel.launches, split.launches) == (1, 1)
+    assert "PassManager::run failed" in pk.SPLIT_BROKEN[0]
+    assert sm._WGMMA_BROKEN == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pk.launch_split(q, po, plse, keys, scale=0.04, splits=3, chunk=64)
+    assert (kernel.launches, split.launches) == (1, 2)
 
 
 def test_whole_vectors_of_q_and_out() -> None:
     """16-byte accesses to q and out only where every token and head row starts on a
     16-byte boundary."""
     x = torch.empty(4, 8, 512, dtype=torch.bfloat16)
-    assert sm._whole_vectors(x, x[1:], x[:, 2:])
+    assert pk.whole_vectors(x, x[1:], x[:, 2:])
     wide = torch.empty(4, 8, 520, dtype=torch.bfloat16)
-    assert sm._whole_vectors(wide[..., :512])  # head stride 520: whole vectors
+    assert pk.whole_vectors(wide[..., :512])  # head stride 520: whole vectors
     odd = torch.empty(4, 8, 517, dtype=torch.bfloat16)
-    assert not sm._whole_vectors(odd[..., :512])  # head stride 517
-    assert not sm._whole_vectors(x, wide[..., 1:513])  # base 2 bytes past a vector
+    assert not pk.whole_vectors(odd[..., :512])  # head stride 517
+    assert not pk.whole_vectors(x, wide[..., 1:513])  # base 2 bytes past a vector
     one_head = torch.empty(4, 1, 512, dtype=torch.bfloat16).expand(4, 1, 512)
-    assert sm._whole_vectors(one_head)
+    assert pk.whole_vectors(one_head)

@@ -225,9 +225,9 @@ def test_one_compiled_kernel_for_every_layer_view(
 ) -> None:
     """Per-layer views (different page strides and offsets), token counts and lengths reuse
     one compiled kernel, the Triton one and (on Hopper) the Gluon wgmma one."""
-    from dsv4_kernels import sparse_mla as sm
+    from dsv4_kernels import _paged_keys as pk
 
-    monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": {**sm.TILES["small"], "KERNEL": kernel}})
+    monkeypatch.setattr(pk, "TILES", {**pk.TILES, "small": {**pk.TILES["small"], "KERNEL": kernel}})
     if kernel == 2:
         if torch.cuda.get_device_capability(gpu)[0] != 9:
             pytest.skip("the wgmma kernel is for compute capability 9.x (Hopper)")
@@ -308,7 +308,7 @@ def test_wgmma_kernel_matches_reference_and_triton(
 ) -> None:  # fmt: skip
     """The Gluon wgmma kernel (``KERNEL=2`` tiles, Hopper, up to 16 heads) against the
     float32 reference on a sample and against the Triton kernel on every element."""
-    from dsv4_kernels import sparse_mla as sm
+    from dsv4_kernels import _paged_keys as pk
 
     if torch.cuda.get_device_capability(gpu)[0] != 9:
         pytest.skip("the wgmma kernel is for compute capability 9.x (Hopper)")
@@ -317,15 +317,15 @@ def test_wgmma_kernel_matches_reference_and_triton(
     inp = cs.make_inputs(_shape(layer, heads, topk=topk, fresh=fresh), gpu, seed)
     small = {
         k: v
-        for k, v in sm.TILES["small"].items()
+        for k, v in pk.TILES["small"].items()
         if k not in ("KERNEL", "ASYNC_PV", "MAXNREG_H8", "REG_A_H8")
     }
-    monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": {**small, "KERNEL": 0}})
+    monkeypatch.setattr(pk, "TILES", {**pk.TILES, "small": {**small, "KERNEL": 0}})
     t_out, t_lse = _outputs(inp)
     inp.run_paged(t_out, t_lse)  # the Triton kernel
     wg = {**small, "KERNEL": 2, **variant}
-    monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": wg})
-    assert sm._wgmma_ok(inp.q, wg, True, True), "the wgmma kernel would not run here"
+    monkeypatch.setattr(pk, "TILES", {**pk.TILES, "small": wg})
+    assert pk.wgmma_runs(inp.q, wg, True, True), "the wgmma kernel would not run here"
     out, lse = _paged_against_reference(inp, gpu, f"wgmma, seed {seed}")
     cs.assert_close_attention((out, lse), (t_out, t_lse), f"wgmma vs Triton, seed {seed}")
 
@@ -373,16 +373,16 @@ def test_semantics_on_the_wgmma_kernel(
 
 def _count_wgmma_launches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Record whether each launch of the test went to the wgmma kernel."""
-    from dsv4_kernels import sparse_mla as sm
+    from dsv4_kernels import _paged_keys as pk
 
     launched: list[bool] = []
-    original = sm._launch_wgmma
+    original = pk.launch_wgmma
 
     def counting(*args: object, **kwargs: object) -> bool:
         launched.append(original(*args, **kwargs))  # type: ignore[arg-type]
         return launched[-1]
 
-    monkeypatch.setattr(sm, "_launch_wgmma", counting)
+    monkeypatch.setattr(pk, "launch_wgmma", counting)
     return launched
 
 
@@ -400,13 +400,13 @@ def test_wgmma_kernel_over_wide_value_ranges(
     keys are of one magnitude that is the CPU suite's tolerance."""
     from tests.kernels import test_sparse_mla as cpu
 
-    from dsv4_kernels import sparse_mla as sm
+    from dsv4_kernels import _paged_keys as pk
 
     if torch.cuda.get_device_capability(gpu)[0] != 9:
         pytest.skip("the wgmma kernel is for compute capability 9.x (Hopper)")
-    assert sm.TILES["small"]["KERNEL"] == 2, "the default small tiles name the wgmma kernel"
-    tiles = {**sm.TILES["small"], "REG_A": reg_a}
-    monkeypatch.setattr(sm, "TILES", {**sm.TILES, "small": tiles})
+    assert pk.TILES["small"]["KERNEL"] == 2, "the default small tiles name the wgmma kernel"
+    tiles = {**pk.TILES["small"], "REG_A": reg_a}
+    monkeypatch.setattr(pk, "TILES", {**pk.TILES, "small": tiles})
     launched = _count_wgmma_launches(monkeypatch)
     seed = fresh_seed()
     g = torch.Generator(device=gpu).manual_seed(seed)
@@ -454,7 +454,7 @@ def test_wgmma_kernel_with_unaligned_q_and_out(
     moves them element by element): the same output as from contiguous tensors."""
     if torch.cuda.get_device_capability(gpu)[0] != 9:
         pytest.skip("the wgmma kernel is for compute capability 9.x (Hopper)")
-    from dsv4_kernels import sparse_mla as sm
+    from dsv4_kernels import _paged_keys as pk
 
     launched = _count_wgmma_launches(monkeypatch)
     seed = fresh_seed()
@@ -462,14 +462,14 @@ def test_wgmma_kernel_with_unaligned_q_and_out(
     T, H, _ = inp.q.shape
     out, lse = _outputs(inp)
     inp.run_paged(out, lse)
-    assert sm._whole_vectors(inp.q, out)
+    assert pk.whole_vectors(inp.q, out)
     wide = torch.empty((T, H, 517), dtype=torch.bfloat16, device=gpu)
     wide[..., :512] = inp.q
     inp.q = wide[..., :512]
     out2 = torch.empty((T, H, 517), dtype=torch.bfloat16, device=gpu)[..., :512]
     lse2 = torch.empty_like(lse)
     ts.poison_outputs(out2, lse2)
-    assert not sm._whole_vectors(inp.q, out2)
+    assert not pk.whole_vectors(inp.q, out2)
     inp.run_paged(out2, lse2)
     assert launched == [True, True], f"the wgmma kernel ran {launched} (seed {seed})"
     assert torch.equal(out2, out) and torch.equal(lse2, lse), f"seed {seed}"
@@ -477,12 +477,12 @@ def test_wgmma_kernel_with_unaligned_q_and_out(
 
 def _no_expansion(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail if grouped rows are expanded per token (the wgmma kernel must take them)."""
-    from dsv4_kernels import sparse_mla as sm
+    from dsv4_kernels import _paged_keys as pk
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("grouped rows were expanded per token")
 
-    monkeypatch.setattr(sm, "expand_grouped_rows", refuse)
+    monkeypatch.setattr(pk, "expand_grouped_rows", refuse)
 
 
 @pytest.mark.parametrize("heads, group", [(1, 4), (3, 2), (8, 2), (8, 4), (16, 2), (16, 4)])

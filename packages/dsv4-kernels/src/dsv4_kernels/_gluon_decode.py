@@ -11,7 +11,7 @@ One program (one warpgroup) per (token, chunk): the chunk is columns ``[s * chun
 (s + 1) * chunk)`` of the token's window-then-compressed column list.  It writes
 the chunk's normalised float32 output and base-2 log-sum-exp for its real heads;
 :func:`._triton_decode._decode_combine_kernel` merges the chunks.  CUDA sm_90 only;
-the launcher in :mod:`.decode` chooses it.
+the decode's launcher in :mod:`._paged_keys` chooses it.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ around Hopper's warpgroup MMA with the keys on the M dimension:
   run 9), and two or three programs per multiprocessor overlap one program's
   gather with another's math.
 
-CUDA sm_90 only (wgmma); the launcher in :mod:`.sparse_mla` chooses it.  Gluon
+CUDA sm_90 only (wgmma); the launcher in :mod:`._paged_keys` chooses it.  Gluon
 has no interpreter: the CPU suite runs the Triton kernel, and the GPU tests run
 both against the same references.
 """

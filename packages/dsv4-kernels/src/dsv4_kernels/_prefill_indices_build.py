@@ -181,7 +181,9 @@ def _build(
             "with topk_indices, or compress_ratio 128)"
         )
     if group > 1 and mode == 1:
-        raise ValueError("C4A rows (top-k rows: one top-k per token) cannot be grouped: build them per token")
+        raise ValueError(
+            "C4A rows (top-k rows: one top-k per token) cannot be grouped: build them per token"
+        )
     check_out(
         "window_out",
         window_out,

@@ -1,6 +1,7 @@
 """Host-side checks of the sparse MLA wrappers' arguments (:mod:`.sparse_mla`, and the
-decode's :mod:`.decode`): shapes, dtypes, devices and Python ints only, never a GPU
-synchronisation; each failure is a ``ValueError`` naming the argument."""
+decode's :mod:`.decode`; the paged keys' checks, built on these, are
+:func:`._paged_keys.check_paged_keys`): shapes, dtypes, devices and Python ints only,
+never a GPU synchronisation; each failure is a ``ValueError`` naming the argument."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import math
 
 import torch
 
-from ._validation import check_out, check_page_cache, check_positive_int, check_tensor
+from ._validation import check_out, check_positive_int, check_tensor
 from .geometry import HEAD_DIM, NOPE_DIM
 
 MAX_HEADS = 128
@@ -37,12 +38,6 @@ def _check_scale(scale: object) -> float:
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a finite positive float, got {scale}")
     return float(scale)
-
-
-def _check_page_cache(name: str, cache: object, block_size: int, device: torch.device) -> int:
-    """Validate a paged FP8 cache view (:func:`._validation.check_page_cache`, the one
-    rule for every kernel); return its page stride in bytes.  Never syncs."""
-    return check_page_cache(name, cache, block_size, device)[1]
 
 
 def _check_rows(

@@ -1,5 +1,5 @@
 # mypy: allow-untyped-defs
-"""Triton kernels of the split-key sparse MLA decode (launched from :mod:`.decode`).
+"""Triton kernels of the split-key sparse MLA decode (launched from :mod:`._paged_keys`).
 
 Decode steps have few query tokens, each with a few hundred to a few thousand
 keys: one program per token (the prefill kernels) leaves most of the GPU idle

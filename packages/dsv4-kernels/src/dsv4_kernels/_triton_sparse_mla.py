@@ -1,5 +1,5 @@
 # mypy: allow-untyped-defs
-"""Triton kernel for sparse MLA with sink (launched from :mod:`.sparse_mla`).
+"""Triton kernel for sparse MLA with sink (launched from :mod:`._paged_keys`).
 
 One program owns one query token and ``BLOCK_H`` of its heads (``BLOCK_H`` is
 the head count rounded up to 16, the smallest MMA M, and at most 64): heads

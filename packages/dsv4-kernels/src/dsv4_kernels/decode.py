@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Mapping
 
 import torch
@@ -36,12 +35,11 @@ import triton
 
 from . import _sparse_mla_checks as _checks
 from . import _triton_decode as _k
-from . import sparse_mla as _sm
+from ._paged_keys import check_paged_keys, launch, launch_split
 from ._validation import (
     check_out,
     check_positive_int,
     check_tensor,
-    interpreter_enabled,
     use_triton,
 )
 from .geometry import HEAD_DIM
@@ -297,28 +295,10 @@ def sparse_mla_decode(
     device = q.device
     T, H, _ = q.shape
     scale = _checks._check_scale(scale)
-    check_positive_int("swa_block_size", swa_block_size)
-    a_stride = _checks._check_page_cache("swa_cache", swa_cache, swa_block_size, device)
-    a_idx, a_lens = _checks._check_rows("swa_indices", swa_indices, "swa_lens", swa_lens, T, device)
-    comp_given = [x is not None for x in (comp_cache, comp_indices, comp_block_size)]
-    if any(comp_given) and not all(comp_given):
-        raise ValueError(
-            "comp_cache, comp_indices and comp_block_size must be given together "
-            "(all None for SWA-only layers)"
-        )
-    if comp_lens is not None and comp_cache is None:
-        raise ValueError("comp_lens given without comp_cache / comp_indices")
-    b_stride, b_width = 0, 0
-    b_idx = b_lens = None
-    if comp_cache is not None:
-        assert comp_block_size is not None
-        check_positive_int("comp_block_size", comp_block_size)
-        b_stride = _checks._check_page_cache("comp_cache", comp_cache, comp_block_size, device)
-        b_idx, b_lens = _checks._check_rows(
-            "comp_indices", comp_indices, "comp_lens", comp_lens, T, device
-        )
-        b_width = b_idx.shape[1]
-    a_width = a_idx.shape[1]
+    keys = check_paged_keys(swa_cache, swa_indices, swa_lens, swa_block_size, comp_cache,
+                            comp_indices, comp_lens, comp_block_size, T, device)  # fmt: skip
+    a_width = keys.window.width
+    b_width = 0 if keys.comp is None else keys.comp.width
     cfg = _policy(policy)
     if num_splits is None:
         splits, chunk = decode_splits(T, H, a_width, b_width, num_sms(device), policy=cfg)
@@ -342,30 +322,17 @@ def sparse_mla_decode(
         from .reference import decode as ref
 
         return ref.sparse_mla_decode(
-            q, swa_cache, a_idx, a_lens, scale, swa_block_size=swa_block_size, scratch=scratch,
-            attn_sink=sink, comp_cache=comp_cache, comp_indices=b_idx, comp_lens=b_lens,
-            comp_block_size=comp_block_size, out=out, lse=lse,
-        )  # fmt: skip
+            q, scale=scale, scratch=scratch, attn_sink=sink, out=out, lse=lse, **keys.arguments()
+        )
     if T == 0:
         return out, lse
-    caches = [swa_cache] if comp_cache is None else [swa_cache, comp_cache]
-    aligned = all(c.data_ptr() % 16 == 0 for c in caches) and a_stride % 16 == 0
-    aligned = aligned and b_stride % 16 == 0
-    a_src = (swa_cache, a_idx, a_lens, a_stride, swa_cache.shape[0] * swa_block_size)
-    b_src = None
-    if comp_cache is not None and b_idx is not None:
-        b_src = (comp_cache, b_idx, b_lens, b_stride, comp_cache.shape[0] * (comp_block_size or 1))
     if splits == 1:  # enough tokens: the per-token kernel, no partials
-        _sm._launch(
-            q, out, lse, sink, a=a_src, a_slots=swa_block_size, a_paged=True, b=b_src,
-            b_slots=comp_block_size or 1, scale=scale, aligned=aligned,
-        )  # fmt: skip
+        launch(q, out, lse, sink, keys, scale=scale)
         return out, lse
     rows = T * splits
     po = scratch.partial_out[: rows * H * HEAD_DIM].view(rows, H, HEAD_DIM)
     plse = scratch.partial_lse[: rows * H].view(rows, H)
-    _launch_split(q, po, plse, a_src, swa_block_size, b_src, comp_block_size or 1, scale,
-                  aligned, splits, chunk)  # fmt: skip
+    launch_split(q, po, plse, keys, scale=scale, splits=splits, chunk=chunk)
     _k._decode_combine_kernel[(T * H,)](
         po, plse, out, lse, sink if sink is not None else plse, H, splits, out.stride(0),
         out.stride(1), lse.stride(0), HAS_SINK=sink is not None,
@@ -373,77 +340,3 @@ def sparse_mla_decode(
         num_warps=4,
     )  # fmt: skip
     return out, lse
-
-
-_GLUON_BROKEN: list[str] = []
-
-
-def wgmma_decode_runs(q: torch.Tensor, aligned: bool) -> bool:
-    """Whether the Gluon wgmma split kernel takes a call with these queries."""
-    if q.shape[1] > 16 or not aligned or _GLUON_BROKEN:
-        return False
-    return _sm._hopper_runs_wgmma(q.device)
-
-
-def _launch_split(
-    q: torch.Tensor,
-    po: torch.Tensor,
-    plse: torch.Tensor,
-    a: _sm._Src,
-    a_slots: int,
-    b: _sm._Src | None,
-    b_slots: int,
-    scale: float,
-    aligned: bool,
-    splits: int,
-    chunk: int,
-) -> None:
-    T, H, _ = q.shape
-    a_src, a_idx, a_lens, a_stride, a_rows = a
-    b_src, b_idx, b_lens, b_stride, b_rows = b if b is not None else (a_src, a_idx, None, 0, 0)
-    args = (
-        q, po, plse, a_src, a_idx, a_lens if a_lens is not None else a_idx, b_src, b_idx,
-        b_lens if b_lens is not None else b_idx, T, H, splits, chunk, a_idx.stride(0),
-        a_idx.shape[1], a_stride, a_rows, b_idx.stride(0), b_idx.shape[1] if b is not None else 0,
-        b_stride, b_rows, q.stride(0), q.stride(1), scale * _sm._LOG2E,
-    )  # fmt: skip
-    sources = dict(
-        A_SLOTS=a_slots,
-        A_HAS_LENS=a_lens is not None,
-        HAS_B=b is not None,
-        B_SLOTS=b_slots,
-        B_HAS_LENS=b_lens is not None,
-    )
-    tiles = _sm.TILES["small" if H <= _sm.SMALL_HEADS else "large"]
-    if wgmma_decode_runs(q, aligned):
-        from . import _gluon_decode as g
-
-        hp = 8 if H <= 8 else 16
-        nreg = tiles.get("MAXNREG_H8") if hp == 8 else None
-        try:
-            g._decode_split_wgmma_kernel[(T * splits,)](
-                *args, **sources, HT=hp, ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
-                REG_A=bool(tiles.get("REG_A_H8", 0)) and hp == 8,
-                IO_VEC=_sm._whole_vectors(q, q), num_warps=4,
-                **({"maxnreg": nreg} if nreg else {}),
-            )  # fmt: skip
-            return
-        except Exception as exc:
-            if g.compiled_variants():
-                raise
-            _GLUON_BROKEN.append(f"{type(exc).__name__}: {exc}"[:400])
-            warnings.warn(
-                f"dsv4_kernels: the Gluon wgmma decode kernel did not build with Triton "
-                f"{triton.__version__} ({_GLUON_BROKEN[0]}); the Triton kernel runs instead",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    block_h = _sm._block_h(H, tiles["MAX_BLOCK_H"])
-    head_blocks = triton.cdiv(H, block_h)
-    _k._decode_split_kernel[(T * splits * head_blocks,)](
-        *args, **sources, ALIGNED=aligned, HEAD_BLOCKS=head_blocks,
-        BLOCK_H=block_h, BLOCK_N=tiles["BLOCK_N"], DOT_FP32=interpreter_enabled(),
-        PREFETCH=bool(tiles["PREFETCH"]), BF16_DEQUANT=bool(tiles["BF16_DEQUANT"])
-        and not interpreter_enabled(), num_warps=tiles["NUM_WARPS"],
-        num_stages=tiles["NUM_STAGES"],
-    )  # fmt: skip

@@ -39,7 +39,7 @@ bidirectional visibility (vLLM's vision variant) and SWA bounded replay
 This module holds the contract above, the host checks with their messages and the
 launch; the kernel itself is in ``_triton_prefill_indices``, the random prefill chunks
 that tests, benchmarks and docs share (``make_prefill_index_case``) in
-:mod:`dsv4_kernels.testing.prefill_indices` (still importable from here).
+:mod:`dsv4_kernels.testing.prefill_indices`.
 """
 
 from __future__ import annotations
@@ -223,13 +223,3 @@ def build_grouped_prefill_indices(
         group=group_size,
         grouped=True,
     )
-
-
-def __getattr__(name: str) -> object:
-    """The test-input factory's old home: it lives in :mod:`dsv4_kernels.testing.prefill_indices`
-    (imported on first use, so this module never imports the testing package)."""
-    if name in ("PrefillIndexCase", "make_prefill_index_case"):
-        from .testing import prefill_indices as _cases
-
-        return getattr(_cases, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

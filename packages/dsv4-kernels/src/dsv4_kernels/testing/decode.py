@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..geometry import KV_BLOCK_SIZE, SWA_BLOCK_SIZE, WINDOW_SIZE
+from ..geometry import SWA_BLOCK_SIZE, WINDOW_SIZE, slots_per_page
 from .sparse_mla import PagedCache, paged_cache, random_q, random_sink
 
 __all__ = [
@@ -42,14 +42,17 @@ __all__ = [
 ]
 
 WINDOW_RING = 4  # window pages per request: 128 + 3 positions never reuse a slot
-RATIOS = {"swa": 1, "c4a": 4, "c128a": 128}
+RATIOS = {"swa": 1, "c4a": 4, "c128a": 128, "c1a": 1, "c2a": 2}
+# layers whose compressed rows are the indexer's top-k: C4A, and DeepSeek-V4.1's
+# full-length (ratio 1) and ratio-2 layers
+TOPK_LAYERS = ("c4a", "c1a", "c2a")
 
 
 @dataclasses.dataclass
 class DecodePools:
     """The FP8 caches a decode step reads: the window pool and the compressed pool."""
 
-    layer: str  # swa | c4a | c128a
+    layer: str  # swa | c4a | c128a | c1a | c2a (V4.1)
     swa: PagedCache
     comp: PagedCache | None
 
@@ -120,8 +123,8 @@ def make_pools(
     swa = paged_cache(swa_pages, SWA_BLOCK_SIZE, generator=generator, device=device,
                       layers_per_block=layers_per_block)  # fmt: skip
     comp = None
-    if RATIOS[layer] > 1:
-        comp = paged_cache(comp_pages, KV_BLOCK_SIZE // RATIOS[layer], generator=generator,
+    if layer != "swa":
+        comp = paged_cache(comp_pages, slots_per_page(RATIOS[layer]), generator=generator,
                            device=device, layers_per_block=layers_per_block)  # fmt: skip
     return DecodePools(layer, swa, comp)
 
@@ -167,10 +170,11 @@ def decode_rows(
     if pools.comp is not None:
         cbs = pools.comp.block_size
         n_c = (pos + 1) // ratio
-        width = topk if ratio == 4 else (comp_width or max(1, int(n_c.max()) if T else 1))
+        top = pools.layer in TOPK_LAYERS
+        width = topk if top else (comp_width or max(1, int(n_c.max()) if T else 1))
         comp_len = torch.clamp(n_c, max=width)
         jc = torch.arange(width, device=dev)
-        if ratio == 4:
+        if top:
             entry = _randint(n_c.clamp(min=1), (T, width), g)
         else:
             entry = jc.unsqueeze(0).expand(T, width)
@@ -217,7 +221,7 @@ def make_decode_case(
     if pools is None:
         longest = max(contexts) if contexts else 1
         ratio = RATIOS[layer]
-        per_page = KV_BLOCK_SIZE // ratio if ratio > 1 else 1
+        per_page = slots_per_page(ratio) if layer != "swa" else 1
         pools = make_pools(
             layer,
             swa_pages=swa_pages or max(1, num_requests) * WINDOW_RING,

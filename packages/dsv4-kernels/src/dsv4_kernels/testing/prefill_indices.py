@@ -1,7 +1,6 @@
 """Random prefill chunks (vLLM's metadata with random page assignments) for the prefill
 index rows: :func:`make_prefill_index_case` and the :class:`PrefillIndexCase` it returns,
-shared by tests, benchmarks and docs (also importable from
-:mod:`dsv4_kernels.prefill_indices`, their former home)."""
+shared by tests, benchmarks and docs."""
 
 from __future__ import annotations
 
@@ -30,17 +29,22 @@ class PrefillIndexCase:
     num_tokens: int
     window_block_table: torch.Tensor
     window_num_pages: int
-    compress_ratio: int  # 1, 4 or 128
+    compress_ratio: int  # 1, 4 or 128; V4.1's 1 or 2 with top-k rows
     comp_block_table: torch.Tensor | None
     comp_num_pages: int
-    topk_indices: torch.Tensor | None  # C4A only
+    topk_indices: torch.Tensor | None  # top-k rows only (C4A, V4.1)
     topk: int  # compressed row width (0 for SWA-only)
     window_block_size: int = SWA_BLOCK_SIZE
     window_size: int = WINDOW_SIZE
 
     @property
+    def compressed(self) -> bool:
+        """Whether the chunk's layer reads a compressed cache."""
+        return self.comp_block_table is not None
+
+    @property
     def comp_block_size(self) -> int:
-        return slots_per_page(self.compress_ratio) if self.compress_ratio > 1 else 1
+        return slots_per_page(self.compress_ratio) if self.compressed else 1
 
     def build(
         self,
@@ -53,7 +57,7 @@ class PrefillIndexCase:
         comp_lens_out: torch.Tensor | None = None,
     ) -> PrefillIndices:
         """The rows (window and/or compressed) through :func:`build_prefill_indices`."""
-        comp = compressed and self.compress_ratio > 1
+        comp = compressed and self.compressed
         return build_prefill_indices(
             self.query_start_loc,
             self.seq_lens,
@@ -98,6 +102,7 @@ def make_prefill_index_case(
     extra_table_cols: int = 3,
     qsl_base: int = 5,
     hole_fraction: float = 0.0,
+    topk_rows: bool | None = None,
 ) -> PrefillIndexCase:
     """A random prefill chunk: request ``b`` has ``context_lens[b]`` cached tokens, then its query.
 
@@ -107,12 +112,19 @@ def make_prefill_index_case(
     top-k rows pick ``min(topk, entries)`` distinct request-local entries
     (stratified over the token's entries, in random order; -1 after them),
     then turn ``hole_fraction`` of them into -1.  ``topk`` defaults to 512
-    for C4A and to the longest request's entry count for C128A.
+    for C4A and to the longest request's entry count for C128A.  ``topk_rows``
+    (default: ratio 4) gives top-k rows at any ratio: DeepSeek-V4.1's
+    full-length (1) and ratio-2 layers.
     """
     if len(query_lens) != len(context_lens):
         raise ValueError("query_lens and context_lens must have the same length")
-    if compress_ratio not in (1, 4, 128):
-        raise ValueError(f"compress_ratio must be 1, 4 or 128, got {compress_ratio}")
+    if topk_rows is None:
+        topk_rows = compress_ratio == 4
+    if compress_ratio not in (1, 2, 4, 128) or (topk_rows and compress_ratio == 128):
+        raise ValueError(
+            f"compress_ratio must be 1, 4 or 128, or 1, 2 or 4 with top-k rows, got "
+            f"{compress_ratio} (topk_rows={topk_rows})"
+        )
     g = torch.Generator().manual_seed(seed)
     q = torch.tensor(list(query_lens), dtype=torch.int64)
     seq = q + torch.tensor(list(context_lens), dtype=torch.int64)
@@ -126,19 +138,19 @@ def make_prefill_index_case(
     comp_num = 0
     topk_indices = None
     width = 0
-    if compress_ratio > 1:
+    if compress_ratio > 1 or topk_rows:
         bs = slots_per_page(compress_ratio)
         entries = seq // compress_ratio
         comp_table, comp_num = _random_tables(
             [-(-int(e) // bs) for e in entries], extra_table_cols, g
         )
-        if compress_ratio == 4:
+        if topk_rows:
             width = 512 if topk is None else topk
             req = torch.repeat_interleave(torch.arange(len(q)), q)
             t = torch.arange(num_tokens)
             start = torch.cat([torch.zeros(1, dtype=torch.int64), q.cumsum(0)[:-1]])
             pos = seq[req] - q[req] + (t - start[req])
-            n = ((pos + 1) // 4)[:, None]
+            n = ((pos + 1) // compress_ratio)[:, None]
             j = torch.arange(width)[None, :]
             # n >= width: one entry from each of `width` integer strata of [0, n)
             lo = j * n // width
