@@ -16,6 +16,8 @@ from dsv4_attention.tables import DecodeTable
 
 ROOT = Path(__file__).resolve().parents[2]
 CURATED = ROOT / "docs" / "results" / "h200-decode" / "decode_table.json"
+# DeepSeek-V4.1's top-k layers (c1a, c2a), measured on V4.1's pages (issue 30)
+CURATED_V41 = ROOT / "docs" / "results" / "h200-issue30" / "v41-decode" / "decode_table.json"
 
 
 def _h200_file() -> dict:
@@ -28,7 +30,7 @@ def test_table_is_the_curated_measurement() -> None:
     """Every measured layer kind and head row up to the table's head limit is in the file,
     with exactly the curated step sizes, each the smaller of the 1- and 2-token-per-request
     ratios (rounded to 2 decimals); rows above the limit are left out."""
-    curated = json.loads(CURATED.read_text())
+    curated = {**json.loads(CURATED.read_text()), **json.loads(CURATED_V41.read_text())}
     raw = _h200_file()["decode"]
     assert raw["max_heads"] == dt.H200.max_heads == 16
     assert raw["min_ratio"] == dt.H200.min_ratio == 1.0
@@ -36,7 +38,8 @@ def test_table_is_the_curated_measurement() -> None:
         tuple(key.split("/")) for key in curated if int(key.split("/")[1]) <= raw["max_heads"]
     }
     got_rows = {(layer, str(h)) for layer, by in raw["ratios"].items() for h in by}
-    assert got_rows == want_rows == {(k, h) for k in ("swa", "c4a", "c128a") for h in ("8", "16")}
+    kinds = ("swa", "c4a", "c128a", "c1a", "c2a")
+    assert got_rows == want_rows == {(k, h) for k in kinds for h in ("8", "16")}
     for layer, heads in sorted(want_rows):
         measured = curated[f"{layer}/{heads}"]
         steps = raw["ratios"][layer][heads]
@@ -55,7 +58,7 @@ def test_table_is_the_curated_measurement() -> None:
 def test_curated_h200_steps_are_all_faster() -> None:
     """On the H200 every measured step at 8 and 16 heads was faster (what the plugin's
     H200 decisions rest on), so every step size up to the largest and beyond takes ours."""
-    for layer in ("swa", "c4a", "c128a"):
+    for layer in ("swa", "c4a", "c128a", "c1a", "c2a"):
         for heads in (1, 8, 9, 16):
             row = dt.H200.row(layer, heads)
             assert row is not None
