@@ -239,7 +239,9 @@ class Scenario:
         }
         topk_rows = topk.get("c4a", next(iter(topk.values()), None))
         if topk_rows is None:
-            topk_rows = torch.full((sum(r.query for r in step) + 2, self.topk), -1, dtype=torch.int32)
+            topk_rows = torch.full(
+                (sum(r.query for r in step) + 2, self.topk), -1, dtype=torch.int32
+            )
         t0 = 0
         positions = []
         for r in step:

@@ -14,13 +14,10 @@ import pytest
 import torch
 
 from dsv4_attention import policy, vllm_calls
-from dsv4_attention.facts import LayerFacts, ServingConfig
+from dsv4_attention.facts import FAMILY_RATIOS, LayerFacts, ServingConfig
 from dsv4_attention.policy import Device, Switches
 from dsv4_attention.prefill import PrefillPlan, forward_prefill, reference_forward_prefill
-from dsv4_attention.facts import FAMILY_RATIOS
 from dsv4_attention.runtime import HeadExactRuntime, VllmAccess
-
-LAYER_RATIOS = FAMILY_RATIOS["v4"]
 from dsv4_attention.scratch import (
     PrefillScratch,
     ScratchSpec,
@@ -34,6 +31,8 @@ from dsv4_kernels.testing.sparse_mla import random_q
 
 from ._prefill_scenario import Scenario, StepRequest
 from .test_prefill_forward import layer_kwargs
+
+LAYER_RATIOS = FAMILY_RATIOS["v4"]
 
 
 def test_sizes_cover_every_row_kind() -> None:

@@ -390,7 +390,8 @@ def test_model_runner_import_under_another_models_config(
             (
                 "INFO",
                 f"dsv4-attention {_our_version()}: inactive on vLLM {vllm.__version__}: the "
-                "model is LlamaForCausalLM; dsv4-attention acts on DeepSeek-V4 and DeepSeek-V4.1 only",
+                "model is LlamaForCausalLM; dsv4-attention acts on DeepSeek-V4 and "
+                "DeepSeek-V4.1 only",
             )
         ]
         assert records(report, "select") == []

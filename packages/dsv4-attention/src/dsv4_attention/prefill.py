@@ -200,7 +200,9 @@ def forward_prefill(
                                 comp_block_size, topk_indices, c128a_topk)  # fmt: skip
     T = plan.num_tokens
     if group_size is None:
-        group_size = 1 if topk_rows(compress_ratio, topk_indices) else sparse_mla.prefill_group_size(q)
+        group_size = (
+            1 if topk_rows(compress_ratio, topk_indices) else sparse_mla.prefill_group_size(q)
+        )
     rows = plan.layer_rows(
         compress_ratio,
         window_block_table=swa_block_table,
@@ -258,7 +260,9 @@ def reference_forward_prefill(q: torch.Tensor, plan: PrefillPlan, **layer: Any) 
         window_block_size=b["swa_block_size"],
         window_size=plan.window_size,
         compress_ratio=ratio,
-        comp_block_table=b["comp_block_table"] if has_compressed_rows(ratio, topk_indices) else None,
+        comp_block_table=b["comp_block_table"]
+        if has_compressed_rows(ratio, topk_indices)
+        else None,
         comp_block_size=comp_block_size,
         topk_indices=topk_indices if is_topk else None,
         topk=topk,

@@ -47,6 +47,7 @@ from .tables import MeasuredTable
 
 __all__ = ["HeadExactRuntime", "KindState", "VllmAccess"]
 
+
 def _never() -> bool:
     return False
 
@@ -500,7 +501,9 @@ class HeadExactRuntime:
             facts = state.facts
             assert self.table is not None
             num_tokens = int(swa_metadata.num_decode_tokens)
-            if not policy.decode_faster(self.table.decode, facts.kind or "", facts.heads, num_tokens):
+            if not policy.decode_faster(
+                self.table.decode, facts.kind or "", facts.heads, num_tokens
+            ):
                 return False
             window = layer.swa_cache_layer.kv_cache
             comp_block = None if swa_only else int(attn_metadata.block_size)

@@ -60,8 +60,8 @@ class DecodeTable:
     ratios: Mapping[str, Mapping[int, Mapping[int, float]]]
 
     def row(self, layer: str | int, heads: int) -> Mapping[int, float] | None:
-        """The measured steps of a layer kind (``"c4a"``, V4.1's ``"c1a"``, or a V4 ratio) at ``heads``
-        local heads (looked up by the kernel's MMA width: 8 rows up to 8 heads, 16 up
+        """The measured steps of a layer kind (``"c4a"``, V4.1's ``"c1a"``, or a V4 ratio) at
+        ``heads`` local heads (looked up by the kernel's MMA width: 8 rows up to 8 heads, 16 up
         to 16); None where nothing was measured."""
         name = LAYER_NAMES.get(layer, "") if isinstance(layer, int) else layer
         if name not in self.ratios or not 1 <= heads <= self.max_heads:
