@@ -63,10 +63,9 @@ class PrefillPlan:
         check_values: check value-dependent facts on CUDA tensors too (reads
             them back; CPU tensors are always checked).
         scratch: preallocated buffers (:class:`~dsv4_attention.scratch.PrefillScratch`)
-            that every row of the step is built into, so the step allocates nothing;
-            a step that needs more raises
-            :class:`~dsv4_attention.scratch.ScratchTooSmall`.  None: the rows are
-            allocated by torch.
+            that every row of the step is built into, so the step allocates nothing
+            (more distinct row sets than slots reuse the oldest set's slot); None:
+            the rows are allocated by torch.
     """
 
     def __init__(
@@ -100,18 +99,26 @@ class PrefillPlan:
         self.launches = 0  # index-build launches so far (for tests and logs)
         self.scratch = scratch
         self._slots: dict[tuple[Any, ...], int] = {}
+        self.evictions = 0  # row sets whose slot a later set took (for tests and logs)
 
     def _slot(self, kind: str, key: tuple[Any, ...], available: int) -> int:
-        """The scratch slot of rows ``key`` (one per distinct table and row shape)."""
+        """The scratch slot of rows ``key`` (one per distinct table and row shape).  A step
+        with more distinct row sets than slots (DeepSeek-V4.1's window caches form many
+        KV-cache groups, each with its own block table) reuses the slot of the set of that
+        kind built first, and forgets those rows: a later layer of that table builds them
+        again (one more launch; the layers run in stream order, so a slot is rewritten
+        only after the attention that read it)."""
         if key not in self._slots:
-            used = sum(1 for k in self._slots if k[0].endswith(kind))
-            if used >= available:
-                from .scratch import ScratchTooSmall
-
-                raise ScratchTooSmall(
-                    f"the step has more than {available} distinct {kind} row sets"
-                )
-            self._slots[key] = used
+            mine = [k for k in self._slots if k[0].endswith(kind)]
+            if len(mine) >= available:
+                oldest = mine[0]  # insertion order: the first built of this kind
+                slot = self._slots.pop(oldest)
+                self._rows.pop(oldest, None)
+                self._grouped.pop(oldest, None)
+                self.evictions += 1
+            else:
+                slot = len(mine)
+            self._slots[key] = slot
         return self._slots[key]
 
     def _window_outs(self, key: tuple[Any, ...], group: int) -> dict[str, torch.Tensor]:
