@@ -188,7 +188,8 @@ def test_bench_failures(fake_vllm, monkeypatch, capsys, mode, message):
     assert message in capsys.readouterr().err
 
 
-def test_bench_dry_run_and_unreachable_server(capsys, tmp_path):
+def test_bench_dry_run_and_unreachable_server(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("DSV4_VLLM", "vllm")
     argv = [
         "bench",
         "random-1024-64",
@@ -358,7 +359,7 @@ def test_validate_vllm_yes_without_vllm_names_the_flag(no_vllm, capsys):
     captured = capsys.readouterr()
     (line,) = captured.err.splitlines()
     assert line.startswith("dsv4: error: --vllm yes needs vLLM")
-    assert "pip install 'dsv4-presets[vllm]'" in line and "--vllm no" in line
+    assert "pip install './packages/dsv4-presets[vllm]'" in line and "--vllm no" in line
     assert "with_vllm" not in captured.err and "Traceback" not in captured.err
     assert captured.out == ""
 
@@ -376,7 +377,7 @@ def test_serve_without_vllm_prints_the_install_hint(no_vllm, capsys):
     err = capsys.readouterr().err
     (line,) = err.splitlines()
     assert line.startswith("dsv4: error: dsv4 serve needs vLLM")
-    assert "pip install 'dsv4-presets[vllm]'" in line and "DSV4_VLLM" in line
+    assert "pip install './packages/dsv4-presets[vllm]'" in line and "DSV4_VLLM" in line
     assert "No module named" not in err
     # --dry-run only prints the command, so it needs no vLLM.
     assert main(["serve", "h200-tp8-ep", "--dry-run"]) == 0
@@ -417,3 +418,203 @@ def test_the_seed_is_explained_where_it_appears(capsys):
     for doc in ("docs/compare.md", "docs/presets.md", "docs/kernels.md"):
         text = " ".join((root / doc).read_text().split())
         assert "seed" in text and "pull request this project grew from" in text, doc
+
+
+# --------------------------------------------------------------------------- #
+# Issue 31 (a new user on a fresh clone): one-line errors, exit non-zero
+# --------------------------------------------------------------------------- #
+
+
+def _one_error_line(err: str) -> str:
+    """The only line of ``err``, which must be a ``dsv4: error:`` line without a traceback."""
+    assert "Traceback" not in err
+    (line,) = err.splitlines()
+    assert line.startswith("dsv4: error: ")
+    return line
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        (["tensor-parallel-size=-1"], "tensor-parallel-size: expected an integer >= 1, got -1"),
+        (["tensor-parallel-size=0"], "tensor-parallel-size: expected an integer >= 1, got 0"),
+        (["max-num-batched-tokens=-5"], "max-num-batched-tokens: expected an integer >= 1"),
+        (["max-num-seqs=0"], "max-num-seqs: expected an integer >= 1, got 0"),
+        (["data-parallel-size=-3"], "data-parallel-size: expected an integer >= 1, got -3"),
+        (["max-model-len=0"], "max-model-len: expected an integer >= 1 or -1 (auto"),
+    ],
+)
+def test_validate_rejects_sizes_below_what_vllm_accepts(sets, expected, capsys):
+    argv = ["validate", "h200-tp8-ep", "--vllm", "no"]
+    for item in sets:
+        argv += ["--set", item]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: [bad-value] {errors[0].split('] ', 1)[1]}"]
+    assert expected in errors[0]
+    assert "FAILED - 1 error(s)" in captured.out and "OK" not in captured.out
+
+
+def test_render_and_serve_refuse_sizes_below_one_from_a_yaml_layer(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("os.execvpe", lambda *a: pytest.fail("must not exec"))
+    monkeypatch.setenv("DSV4_VLLM", "vllm")
+    layer = tmp_path / "mine.yaml"
+    layer.write_text(
+        "dsv4: {extends: h200-tp8-ep}\ntensor-parallel-size: 0\npipeline-parallel-size: -2\n"
+    )
+    for argv in (["render", str(layer)], ["serve", str(layer), "--dry-run"], ["serve", str(layer)]):
+        assert main(argv) == 1, argv
+        captured = capsys.readouterr()
+        assert captured.out == "", argv  # nothing rendered, nothing run
+        assert "error: [bad-value] tensor-parallel-size: expected an integer >= 1, got 0" in (
+            captured.err
+        )
+        assert "error: [bad-value] pipeline-parallel-size: expected an integer >= 1, got -2" in (
+            captured.err
+        )
+    # What vLLM accepts passes: 0 local engines, max-model-len -1 (auto), 16k tokens.
+    for item in ("data-parallel-size-local=0", "max-model-len=-1", "max-num-batched-tokens=16k"):
+        assert main(["validate", "h200-tp8-ep", "--vllm", "no", "--set", item]) == 0, item
+        assert "OK - 0 error(s)" in capsys.readouterr().out
+
+
+def test_bench_rejects_counts_below_what_vllm_bench_accepts(capsys):
+    argv = ["bench", "random-1024-64", "--base-url", "http://127.0.0.1:9", "--dry-run"]
+    assert main([*argv, "--set", "num-warmups=-1"]) == 1
+    err = capsys.readouterr().err
+    assert "error: [bad-value] num-warmups: expected an integer >= 0, got -1" in err
+    assert main([*argv, "--set", "max-concurrency=0"]) == 1
+    assert "max-concurrency: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["preset", "layer"])
+def test_a_non_utf8_file_is_a_one_line_error(tmp_path, capsys, where):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("dsv4: {description: 'caf\u00e9'}\nblock-size: 256\n".encode("latin-1"))
+    target = bad
+    if where == "layer":
+        target = tmp_path / "top.yaml"
+        target.write_text("dsv4: {extends: latin1.yaml}\nmodel: m\n", encoding="utf-8")
+    for command in ("validate", "render"):
+        assert main([command, str(target)]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert line == (
+            f"dsv4: error: cannot read preset file {str(bad)!r}: it is not UTF-8 text "
+            "(byte 0xe9 at offset 24); preset files must be YAML encoded as UTF-8"
+        )
+
+
+def test_a_directory_is_named_as_a_directory(tmp_path, capsys):
+    for command in ("render", "validate", "serve"):
+        assert main([command, str(tmp_path)]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert line.startswith(f"dsv4: error: {str(tmp_path)!r} is a directory, not a preset name")
+        assert "does not exist" not in line and "YAML file" in line
+    assert main(["bench", str(tmp_path), "--base-url", "http://127.0.0.1:9", "--dry-run"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{str(tmp_path)!r} is a directory, not a preset name" in line
+
+
+def test_bench_with_a_serve_preset_says_so_and_names_the_bench_presets(tmp_path, capsys):
+    from dsv4_presets.presets import bench_preset_names
+
+    assert main(["bench", "h200-tp8-ep", "--base-url", "http://127.0.0.1:9"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "'h200-tp8-ep' is a serve preset, not a bench preset" in line
+    assert "unknown preset" not in line and "`dsv4 presets`" in line
+    assert all(name in line for name in bench_preset_names())
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("dsv4: {extends: h200-tp8-ep}\nport: 9000\n")
+    assert main(["bench", str(mine), "--base-url", "http://127.0.0.1:9", "--dry-run"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{str(mine)!r} is a serve preset file" in line and "num-prompts" in line
+    # ...and the other way round, and for a layer.
+    assert main(["serve", "random-1024-64"]) == 2
+    assert "use `dsv4 bench`" in _one_error_line(capsys.readouterr().err)
+    assert main(["render", "base"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "'base' is a layer" in line and "dsv4.extends" in line
+
+
+@pytest.fixture
+def no_connections(monkeypatch):
+    """Record (and refuse) every outgoing connection attempt."""
+    import socket
+
+    attempts: list[object] = []
+
+    def refuse(*args, **kwargs):
+        attempts.append(args)
+        raise ConnectionRefusedError("test: no connection allowed")
+
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    return attempts
+
+
+@pytest.mark.parametrize("model", [None, "dsv4"])
+def test_bench_dry_run_contacts_nothing(no_connections, monkeypatch, capsys, model):
+    monkeypatch.setenv("DSV4_VLLM", "/opt/vllm/bin/vllm")
+    monkeypatch.setattr(
+        "subprocess.run", lambda *a, **k: pytest.fail("a dry run must not run anything")
+    )
+    argv = ["bench", "random-1024-64", "--base-url", "http://127.0.0.1:9", "--dry-run"]
+    argv += ["--result-filename", "x.json"]
+    if model:
+        argv += ["--model", model]
+    assert main(argv) == 0
+    assert no_connections == []
+    captured = capsys.readouterr()
+    (line,) = captured.out.splitlines()  # the command, printed once
+    words = shlex.split(line)
+    assert words[:3] == ["/opt/vllm/bin/vllm", "bench", "serve"]
+    assert words[words.index("--model") + 1] == (model or "<served-model>")
+    assert "/opt/vllm/bin/vllm" not in captured.err
+    if model is None:
+        assert "asks http://127.0.0.1:9/v1/models" in captured.err
+
+
+def test_serve_dry_run_prints_the_command_once(monkeypatch, capsys):
+    monkeypatch.setenv("DSV4_VLLM", "/opt/vllm/bin/vllm")
+    monkeypatch.setattr("os.execvpe", lambda *a: pytest.fail("a dry run must not exec"))
+    assert main(["serve", "h200-tp8-ep", "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    command = shlex.join(["/opt/vllm/bin/vllm", "serve", *resolve_serve("h200-tp8-ep").to_argv()])
+    assert captured.out == command + "\n"
+    assert (captured.out + captured.err).count("/opt/vllm/bin/vllm") == 1
+
+
+def test_every_install_hint_is_the_path_that_works_from_a_clone(monkeypatch):
+    """The package is on no index: `pip install 'dsv4-presets[vllm]'` finds nothing."""
+    import importlib
+
+    from dsv4_presets.configs import ServeConfig
+    from dsv4_presets.vllm_exec import VLLM_INSTALL_HINT
+    from dsv4_presets.vllm_releases import UnsupportedVllmRelease, facts_for
+
+    hint = "pip install './packages/dsv4-presets[vllm]'"
+    assert hint == VLLM_INSTALL_HINT
+    v = importlib.import_module("dsv4_presets.validate")
+    old = ServeConfig(name="p", model="m", args={}, env={}, min_vllm="0.32.0")
+    (finding,) = v.check_min_vllm(old, "0.31.0")
+    assert hint in finding.message
+    with pytest.raises(UnsupportedVllmRelease) as unsupported:
+        facts_for("0.20.0")
+    assert hint in str(unsupported.value)
+    monkeypatch.setattr(v, "vllm_available", lambda: False)
+    with pytest.raises(RuntimeError) as missing:
+        v.check(resolve_serve("h200-tp8-ep"), with_vllm=True)
+    assert hint in str(missing.value)
+    # Source and docs: every `dsv4-presets[extra]` is the clone's path.
+    root = Path(__file__).resolve().parents[2]
+    files = [root / "README.md", root / "packages/dsv4-presets/README.md"]
+    files += sorted((root / "docs").glob("*.md"))
+    files += sorted((root / "packages/dsv4-presets/src/dsv4_presets").rglob("*.py"))
+    bad = []
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for i in [n for n in range(len(text)) if text.startswith("dsv4-presets[", n)]:
+            if not text[:i].endswith("./packages/"):
+                bad.append(f"{path.relative_to(root)}: ...{text[max(0, i - 20) : i + 20]}...")
+    assert bad == []

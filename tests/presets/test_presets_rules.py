@@ -77,6 +77,17 @@ FAILING = [
     ("bad-value", ["dtype=fp4"], "is not one of"),
     ("bad-value", ["speculative-config=7"], "expected a mapping"),
     ("bad-value", ["max-num-batched-tokens=lots"], "16384 or 16k"),
+    # Parsed by vLLM's parser, refused by its config classes at start-up (issue 31).
+    ("bad-value", ["tensor-parallel-size=-1"], "tensor-parallel-size: expected an integer >= 1"),
+    ("bad-value", ["tensor-parallel-size=0"], "tensor-parallel-size: expected an integer >= 1"),
+    ("bad-value", ["pipeline-parallel-size=-2"], "expected an integer >= 1, got -2"),
+    ("bad-value", ["max-num-batched-tokens=-5"], "expected an integer >= 1, got -5"),
+    ("bad-value", ["max-num-batched-tokens='-5'"], "expected an integer >= 1, got '-5'"),
+    ("bad-value", ["max-num-seqs=0"], "max-num-seqs: expected an integer >= 1"),
+    ("bad-value", ["max-model-len=0"], "or -1 (auto"),
+    ("bad-value", ["max-model-len=-2"], "or -1 (auto"),
+    ("bad-value", ["block-size=0"], "block-size: expected an integer >= 1"),
+    ("bad-value", ["data-parallel-size-local=-1"], "expected an integer >= 0, got -1"),
     ("unknown-env", ["env.VLLM_USE_DEEPGEM=1"], "not one vLLM"),
 ]
 
@@ -108,6 +119,9 @@ PASSING = [
     ("auto-tool-choice-parser", ["tool-call-parser=null", "enable-auto-tool-choice=false"]),
     ("checkpoint-parsers", ["tokenizer-mode=auto"]),
     ("bad-value", ["max-num-batched-tokens=16k"]),
+    ("bad-value", ["max-model-len=-1"]),  # vLLM's "auto"
+    ("bad-value", ["data-parallel-size-local=0"]),  # vLLM's external-DP sentinel
+    ("bad-value", ["max-num-seqs=1"]),
     ("bad-value", ["gpu-memory-utilization=0.9"]),
     ("unknown-env", ["env.VLLM_LOGGING_LEVEL=INFO"]),
 ]
@@ -337,3 +351,36 @@ def test_validate_on_a_supported_release_names_it(monkeypatch, version):
     report = v.check(serve("h200-tp8-ep"), with_vllm=True)
     assert report.errors == []
     assert report.vllm_version == version and report.vllm_release == version[:4]
+
+
+def test_int_minimums_name_integer_options_of_every_supported_release():
+    """Each bounded option exists, as an integer option, in every shipped option table."""
+    from dsv4_presets.schema import INT_MINIMUMS, INT_SPECIAL_VALUES, shipped_table
+    from dsv4_presets.vllm_releases import RELEASES
+
+    for command, minimums in INT_MINIMUMS.items():
+        for release in RELEASES:
+            table = shipped_table(command, release)
+            for name in minimums:
+                spec = table.get(name)
+                assert spec is not None, (command, release, name)
+                assert spec.type in ("int", "human-int"), (command, release, name)
+        for name, specials in INT_SPECIAL_VALUES[command].items():
+            assert all(value < minimums[name] for value in specials), name
+
+
+def test_check_minimum_reads_values_as_vllm_does():
+    from dsv4_presets.schema import check_minimum
+
+    assert check_minimum("serve", "tensor-parallel-size", 8) is None
+    assert check_minimum("serve", "tensor_parallel_size", " -1 ") is not None
+    assert check_minimum("serve", "max-num-batched-tokens", "16k") is None
+    assert check_minimum("serve", "max-num-batched-tokens", "1_024") is None
+    assert check_minimum("serve", "max-num-batched-tokens", "-1_024") is not None
+    assert check_minimum("serve", "max-model-len", -1) is None
+    assert check_minimum("serve", "max-model-len", "-1") is None
+    # A wrong type is check_value's finding, not this one's; unbounded options pass.
+    assert check_minimum("serve", "tensor-parallel-size", "eight") is None
+    assert check_minimum("serve", "seed", -7) is None
+    assert check_minimum("bench", "num-warmups", 0) is None
+    assert check_minimum("bench", "num-warmups", -1) == "expected an integer >= 0, got -1"

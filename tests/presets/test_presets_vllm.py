@@ -477,3 +477,73 @@ def test_human_int_check_is_vllms(text: str) -> None:
     argv = ["serve", "model", *render_option("max-num-batched-tokens", text, spec)]
     _, message = vllm_check.parse(vllm_check._serve_root(), argv)
     assert (check_value(spec, text) is None) == (message is None), (text, message)
+
+
+def _vllm_lower_bounds(parser: argparse.ArgumentParser) -> dict[str, int]:
+    """Each integer ``vllm serve`` option's smallest value, as vLLM's config classes declare it.
+
+    The parser reads these with ``int()`` and checks no range; the pydantic
+    config classes (``ParallelConfig``, ``SchedulerConfig``, ...) declare
+    ``Field(ge=N)`` / ``Field(gt=N)`` and refuse a smaller value when the
+    server starts.  Where several classes have a field of that name
+    (``max_model_len``: ``ModelConfig`` and the drafter's ``SpeculativeConfig``),
+    the loosest bound is the one the option can reach.
+    """
+    import inspect
+
+    import annotated_types
+    import vllm.config
+
+    classes = [
+        cls
+        for name in dir(vllm.config)
+        if name.endswith("Config") and inspect.isclass(cls := getattr(vllm.config, name))
+    ]
+    bounds: dict[str, int] = {}
+    for name, spec in SERVE.options.items():
+        if spec.type not in ("int", "human-int"):
+            continue
+        dest = parser._option_string_actions[f"--{name}"].dest
+        found = []
+        for cls in classes:
+            field = (getattr(cls, "__pydantic_fields__", None) or {}).get(dest)
+            for meta in field.metadata if field is not None else ():
+                if isinstance(meta, annotated_types.Ge):
+                    found.append(int(meta.ge))
+                elif isinstance(meta, annotated_types.Gt):
+                    found.append(int(meta.gt) + 1)
+        if found:
+            bounds[name] = min(found)
+    return bounds
+
+
+def test_int_minimums_are_the_bounds_vllms_config_classes_declare(serve_parser):
+    """INT_MINIMUMS (the offline check) holds exactly vLLM's bounds, for every bounded option."""
+    from dsv4_presets.schema import INT_MINIMUMS, INT_SPECIAL_VALUES
+
+    ours = {
+        name: min([minimum, *INT_SPECIAL_VALUES["serve"].get(name, {})])
+        for name, minimum in INT_MINIMUMS["serve"].items()
+    }
+    theirs = _vllm_lower_bounds(serve_parser)
+    assert len(theirs) > 20  # the probe found vLLM's bounds at all
+    assert {name: ours.get(name) for name in theirs} == theirs
+    # What we bound and vLLM's classes do not: ranks and counts its CLI layer checks.
+    assert set(ours) - set(theirs) <= {"data-parallel-start-rank", "api-server-count"}
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("tensor-parallel-size", -1), ("data-parallel-size", 0), ("pipeline-parallel-size", -2)],
+)
+def test_sizes_vllms_parser_accepts_are_refused_by_vllm_and_by_the_rules(option, value):
+    """vLLM's parser takes them (only its config classes refuse them); the rules refuse them too."""
+    config = resolve_serve("h200-tp8-ep", sets=[f"{option}={value}"])
+    _, message = vllm_check.parse(vllm_check._serve_root(), ["serve", *config.to_argv()])
+    assert message is None  # the parser alone lets it through...
+    report = check(config, with_vllm=True)
+    rules = {f.rule for f in report.errors}
+    assert "bad-value" in rules  # ...the offline rule does not
+    assert any(
+        f"{option}: expected an integer >= 1, got {value}" in f.message for f in report.errors
+    )

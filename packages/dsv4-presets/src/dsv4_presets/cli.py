@@ -21,19 +21,22 @@ from dsv4_presets.presets import (
     PresetError,
     ServeConfig,
     list_presets,
+    not_a_bench_preset,
     preset_kind,
     resolve_bench,
     resolve_serve,
+    serve_preset_names,
 )
 from dsv4_presets.schema import render_option, shipped_table
 from dsv4_presets.validate import check
-from dsv4_presets.vllm_exec import vllm_available, vllm_command
+from dsv4_presets.vllm_exec import VLLM_INSTALL_HINT, vllm_available, vllm_command
 from dsv4_presets.vllm_releases import supported
 
 FORMATS = ("argv", "config", "env", "docker", "k8s")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_BENCH_MODEL = "deepseek-ai/DeepSeek-V4-Flash-0731"
-VLLM_INSTALL_HINT = "pip install 'dsv4-presets[vllm]'"
+# `dsv4 bench --dry-run` without --model: the model a real run would ask the server for.
+DRY_RUN_MODEL = "<served-model>"
 
 
 def _err(text: str) -> None:
@@ -298,10 +301,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 continue
             _err(f"note: {key}={env[key]} from your environment overrides the preset's {value}")
         env.setdefault(key, value)
-    _err("+ " + shlex.join(argv))
     if args.dry_run:
-        print(shlex.join(argv))
+        print(shlex.join(argv))  # once, on stdout: the command and nothing else
         return 0
+    _err("+ " + shlex.join(argv))
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(argv[0], argv, env)
@@ -323,6 +326,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         summary_lines,
     )
 
+    if preset_kind(args.preset) == "serve":
+        shipped = args.preset in serve_preset_names()
+        raise PresetError(not_a_bench_preset(args.preset, file=not shipped))
     config = resolve_bench(args.preset, sets=args.sets)
     report = check(config, with_vllm=False)
     _print_report(args.preset, report, verbose=False)
@@ -330,12 +336,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
         _err(f"{config.name}: not running because of the errors above")
         return 1
     base_url = args.base_url.rstrip("/")
+    filename = args.result_filename or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    if args.dry_run:
+        # Contacts nothing: without --model, a real run asks the server which model
+        # it serves; the dry run shows a placeholder there instead.
+        model = args.model or DRY_RUN_MODEL
+        if not args.model:
+            _err(
+                f"note: --model not given: a real run asks {base_url}/v1/models for the "
+                f"served model; {DRY_RUN_MODEL} stands for it here"
+            )
+        argv = config.to_argv(
+            base_url=base_url,
+            model=model,
+            result_dir=args.result_dir,
+            result_filename=filename,
+            tokenizer=args.tokenizer,
+        )
+        print(shlex.join([*vllm_command(), "bench", "serve", *argv]))
+        return 0
     try:
         model = args.model or served_model(base_url)
     except BenchResultError as exc:
         _err(f"dsv4 bench: {exc}")
         return 1
-    filename = args.result_filename or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     argv = config.to_argv(
         base_url=base_url,
         model=model,
@@ -344,9 +368,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
     )
     _err("+ " + shlex.join([*vllm_command(), "bench", "serve", *argv]))
-    if args.dry_run:
-        print(shlex.join(["vllm", "bench", "serve", *argv]))
-        return 0
     rc, path = run_bench(
         config,
         base_url=base_url,
@@ -444,7 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--result-filename", help="result file name (default: PRESET-YYYYmmdd-HHMMSS.json)"
     )
-    p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the command instead of running it (contacts no server)",
+    )
     p.set_defaults(func=cmd_bench)
 
     _register_compare(sub)

@@ -73,6 +73,7 @@ __all__ = [
     "bench_preset_names",
     "layer_names",
     "list_presets",
+    "not_a_bench_preset",
     "parse_set",
     "preset_kind",
     "resolve_bench",
@@ -234,7 +235,23 @@ def _lookup(
                 raise PresetError(
                     f"cannot read preset file {str(path)!r}: {exc.strerror}"
                 ) from None
+            except UnicodeDecodeError as exc:
+                raise PresetError(
+                    f"cannot read preset file {str(path)!r}: it is not UTF-8 text (byte "
+                    f"0x{exc.object[exc.start]:02x} at offset {exc.start}); preset files "
+                    "must be YAML encoded as UTF-8"
+                ) from None
             return _parse(text, str(path), path.stem, path.resolve().parent)
+    for path in candidates:
+        if path.is_dir():
+            raise PresetError(
+                f"{str(path)!r} is a directory, not a {what} name or a {what} file: "
+                f"give a shipped {what} name or the path of a YAML file "
+                f"(such as {str(path / 'my-preset.yaml')!r})"
+            )
+    other = _other_kind(name, kinds)
+    if other is not None:
+        raise PresetError(other)
     if _looks_like_path(name, kinds):
         tried = " or ".join(repr(str(p)) for p in candidates)
         raise PresetError(f"unknown {what} {name!r}: no such file ({tried} does not exist)")
@@ -242,6 +259,40 @@ def _lookup(
     raise PresetError(
         f"unknown {what} {name!r}: no shipped {what} or file of that name; {listing} lists them"
     )
+
+
+def not_a_bench_preset(name: str, *, file: bool = False) -> str:
+    """What ``dsv4 bench`` says when given the serve preset (or serve preset file) ``name``."""
+    what = "a serve preset"
+    if file:
+        what += " file (it extends no bench preset and sets neither num-prompts nor dataset-name)"
+    return (
+        f"{name!r} is {what}, not a bench preset: dsv4 bench runs a bench preset "
+        f"({', '.join(bench_preset_names())}; `dsv4 presets` lists both kinds) against a "
+        f"server already running (--base-url); start one with `dsv4 serve {name}`"
+    )
+
+
+def _other_kind(name: str, kinds: Sequence[str]) -> str | None:
+    """Why ``name`` cannot be used here when it is a shipped file of another kind."""
+    for kind in KINDS:
+        if kind in kinds or name not in _shipped(kind):
+            continue
+        labels = {**_LABELS, "serve": "serve preset"}
+        wanted = " or ".join(labels[k] for k in kinds)
+        if kind == "layers":
+            return (
+                f"{name!r} is a layer, not a {wanted}: layers are applied by a preset "
+                f"file's '{META_KEY}.extends' (`dsv4 presets -v` lists each preset's layers)"
+            )
+        if kinds == ("bench",):
+            return not_a_bench_preset(name)
+        return f"{name!r} is a {labels[kind]}, not a {wanted}: " + (
+            "bench presets run with `dsv4 bench`"
+            if kind == "bench"
+            else "`dsv4 presets` lists each kind"
+        )
+    return None
 
 
 # --------------------------------------------------------------------------- #

@@ -32,7 +32,13 @@ from dsv4_presets.rules_topology import (
     rule_same_host_split,
     truthy,
 )
-from dsv4_presets.schema import OptionTable, check_value, human_int, shipped_table
+from dsv4_presets.schema import (
+    OptionTable,
+    check_minimum,
+    check_value,
+    human_int,
+    shipped_table,
+)
 
 # kv-cache-dtype values that select DSV4's UE8M0 FP8 page layout ("fp8" is
 # vLLM's alias for fp8_ds_mla on DSV4's FlashMLA sparse backend).
@@ -60,7 +66,8 @@ DSPARK_TOKENS = (3, 7)
 
 
 def check_options(args: dict[str, Any], table: OptionTable, what: str) -> list[Finding]:
-    """Unknown option names and values of the wrong type or outside the choices."""
+    """Unknown option names, and values of the wrong type, outside the choices or below
+    the smallest value vLLM accepts (:data:`~dsv4_presets.schema.INT_MINIMUMS`)."""
     findings = []
     for key, value in args.items():
         spec = table.get(key)
@@ -75,7 +82,7 @@ def check_options(args: dict[str, Any], table: OptionTable, what: str) -> list[F
                 )
             )
             continue
-        problem = check_value(spec, value)
+        problem = check_value(spec, value) or check_minimum(table.command, key, value)
         if problem:
             findings.append(Finding("error", "bad-value", f"{key}: {problem}"))
     return findings

@@ -340,6 +340,135 @@ def check_value(spec: OptionSpec, value: object) -> str | None:
     return _check_scalar(spec, value)
 
 
+# Integer options whose smallest meaningful value vLLM's *parser* does not check
+# (argparse reads them with int() or human_readable_int, so "-1" parses) but
+# its config classes do, later, on the GPU machine: ParallelConfig,
+# SchedulerConfig, CacheConfig, ModelConfig, ... declare them with pydantic
+# ``Field(ge=N)`` / ``Field(gt=0)``, so ``tensor-parallel-size: -1`` passes
+# the parser and only fails when the server starts.  The smallest value each
+# accepts, per command.  Sizes, budgets and counts of things that must exist
+# start at 1; 0 is allowed only where vLLM gives it a meaning (noted per
+# option); ranks start at 0.  The vllm sessions check every entry against the
+# installed release's config classes (tests/presets/test_presets_vllm.py).
+INT_MINIMUMS: dict[str, dict[str, int]] = {
+    "serve": {
+        # Parallel group sizes: at least one of each (ParallelConfig: ge=1).
+        "tensor-parallel-size": 1,
+        "pipeline-parallel-size": 1,
+        "data-parallel-size": 1,
+        "prefill-context-parallel-size": 1,
+        "decode-context-parallel-size": 1,
+        "nnodes": 1,
+        "elastic-ep-max-dp-size": 1,
+        "dp-sync-interval": 1,
+        "max-parallel-loading-workers": 1,
+        # 0 local engines is vLLM's sentinel for data parallelism launched
+        # externally, e.g. a node running only API servers (ParallelConfig: ge=0).
+        "data-parallel-size-local": 0,
+        # Ranks count from 0.
+        "data-parallel-rank": 0,
+        "data-parallel-start-rank": 0,
+        "node-rank": 0,
+        # 0 API servers is what --headless runs (vllm serve sets it so itself).
+        "api-server-count": 0,
+        # A port number is 1..65535 (ParallelConfig: ge=1).
+        "data-parallel-rpc-port": 1,
+        # Micro-batching: 0 is its default (off) (ParallelConfig: ge=0).
+        "ubatch-size": 0,
+        "dbo-decode-token-threshold": 0,
+        "dbo-prefill-token-threshold": 0,
+        # Scheduler budgets: at least one token / sequence per step
+        # (SchedulerConfig: ge=1).
+        "max-num-batched-tokens": 1,
+        "max-num-scheduled-tokens": 1,
+        "max-num-seqs": 1,
+        "max-num-active-seqs": 1,
+        "stream-interval": 1,
+        "prefill-schedule-interval": 1,
+        # 0 disables the long-prefill cap; queue limits of 0 are accepted
+        # (SchedulerConfig: ge=0).
+        "long-prefill-token-threshold": 0,
+        "max-num-queued-reqs": 0,
+        "max-num-queued-tokens": 0,
+        # A context of at least one token; -1 (vLLM's "auto") is also accepted,
+        # see INT_SPECIAL_VALUES (ModelConfig: ge=-1, where 0 means nothing).
+        "max-model-len": 1,
+        # -1 is "no limit" and 0 "no logprobs" (ModelConfig: ge=-1).
+        "max-logprobs": -1,
+        # KV cache pages hold at least one token (CacheConfig: gt=0).
+        "block-size": 1,
+        "mamba-block-size": 1,
+        "prefix-match-unit": 1,
+        "replayssm-buffer-len": 1,
+        # 0 retains only semantic prefix-cache checkpoints (CacheConfig: ge=0).
+        "prefix-cache-retention-interval": 0,
+        # LoRA: at least one adapter slot (LoRAConfig: ge=1).
+        "max-loras": 1,
+        "max-lora-cls-labels": 1,
+        # Offloading: group size 0 is "off", prefetch 0 "none" (OffloadConfig: ge=0).
+        "offload-group-size": 0,
+        "offload-num-in-group": 1,
+        "offload-prefetch-step": 0,
+        # Checkpoint prefetching: at least one thread and one byte (LoadConfig: ge=1).
+        "safetensors-prefetch-num-threads": 1,
+        "safetensors-prefetch-block-size": 1,
+        # A size limit in MiB; 0 is accepted (MultiModalConfig: ge=0).
+        "mm-shm-cache-max-object-size-mb": 0,
+        # A grace period in seconds; 0 aborts in-flight requests at once (VllmConfig: ge=0).
+        "shutdown-timeout": 0,
+    },
+    "bench": {
+        # dsv4 bench checks that num-prompts requests completed.
+        "num-prompts": 1,
+        "num-warmups": 0,
+        # A cap of 0 in-flight requests would send nothing.
+        "max-concurrency": 1,
+        # Every request asks for at least one output token (vLLM's
+        # SamplingParams refuses max_tokens < 1).
+        "random-output-len": 1,
+    },
+}
+
+# Values below an option's minimum that vLLM reads as a setting of their own.
+INT_SPECIAL_VALUES: dict[str, dict[str, dict[int, str]]] = {
+    "serve": {
+        "max-model-len": {-1: "auto, the longest context that fits in GPU memory"},
+    },
+    "bench": {},
+}
+
+
+def check_minimum(command: str, name: str, value: object) -> str | None:
+    """``None`` unless integer option ``name`` of ``command`` is below what vLLM accepts.
+
+    Only options in :data:`INT_MINIMUMS` are checked, and only values that
+    :func:`check_value` already took as integers (``16k`` included): the type
+    error comes first.
+    """
+    minimum = INT_MINIMUMS.get(command, {}).get(name.replace("_", "-"))
+    if minimum is None:
+        return None
+    special = INT_SPECIAL_VALUES.get(command, {}).get(name.replace("_", "-"), {})
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        number = _as_integer(item)
+        if number is None or number >= minimum or number in special:
+            continue
+        expected = f"an integer >= {minimum}"
+        if special:
+            expected += " or " + ", ".join(f"{k} ({why})" for k, why in special.items())
+        return f"expected {expected}, got {item!r}"
+    return None
+
+
+def _as_integer(value: object) -> int | None:
+    """The integer an ``int``, ``human-int`` or numeric-string value stands for."""
+    number = human_int(value)
+    if number is None and isinstance(value, str) and _int_ok(value):
+        number = int(value)
+    return number
+
+
 def _scalar_text(value: object) -> str:
     """How a YAML scalar is written on the command line."""
     if isinstance(value, bool):

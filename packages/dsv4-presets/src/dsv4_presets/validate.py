@@ -8,7 +8,7 @@ from dsv4_presets import rules
 from dsv4_presets.configs import BenchConfig, ServeConfig
 from dsv4_presets.findings import Finding, Report
 from dsv4_presets.schema import shipped_table
-from dsv4_presets.vllm_exec import vllm_available
+from dsv4_presets.vllm_exec import VLLM_INSTALL_HINT, vllm_available
 from dsv4_presets.vllm_releases import UnsupportedVllmRelease, facts_for
 
 
@@ -33,7 +33,7 @@ def check_min_vllm(config: ServeConfig, installed: str) -> list[Finding]:
             "vllm-version",
             f"preset {config.name} needs vLLM >= {config.min_vllm} (the release its options "
             f"and DSV4 code paths were checked against); this vLLM is {installed}: upgrade "
-            f"(pip install 'dsv4-presets[vllm]')",
+            f"({VLLM_INSTALL_HINT})",
         )
     ]
 
@@ -55,7 +55,7 @@ def check(config: ServeConfig | BenchConfig, *, with_vllm: bool | None = None) -
     if use_vllm and not vllm_available():
         raise RuntimeError(
             "with_vllm=True but vLLM is not importable here: install it "
-            "(pip install 'dsv4-presets[vllm]') or pass with_vllm=False"
+            f"({VLLM_INSTALL_HINT}) or pass with_vllm=False"
         )
     report = Report()
     if use_vllm and not _release_supported(report):

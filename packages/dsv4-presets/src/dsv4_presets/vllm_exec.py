@@ -19,6 +19,10 @@ import shlex
 import sys
 
 VLLM_CLI_MODULE = "vllm.entrypoints.cli.main"
+# How to get vLLM for the presets: the package is not on a package index, so
+# it is installed by its path in a clone of this repository (run from the
+# clone's root).  Every message that tells the user to install vLLM says this.
+VLLM_INSTALL_HINT = "pip install './packages/dsv4-presets[vllm]'"
 VLLM_LAUNCHER_MODULE = "dsv4_presets.vllm_launcher"
 
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from dsv4_presets.vllm_exec import VLLM_INSTALL_HINT
+
 # Where the symbols this package uses live when they did not move between releases.
 _UNMOVED: dict[str, str] = {
     "FlexibleArgumentParser": "vllm.utils.argparse_utils",
@@ -154,7 +156,7 @@ def facts_for(version: str) -> ReleaseFacts:
         raise UnsupportedVllmRelease(
             f"vLLM {version} is not a release dsv4-presets supports (supported: {supported()}): "
             "its parser's module paths and options are not known here; install a supported "
-            "release (pip install 'dsv4-presets[vllm]') or validate without vLLM (--vllm no)"
+            f"release ({VLLM_INSTALL_HINT}) or validate without vLLM (--vllm no)"
         )
     return facts
 

@@ -8,7 +8,7 @@ reason and log, and never enter a mean, a pair or an interval.
 Outputs, all under the campaign folder: ``report.md`` (the seed's table,
 the relative change of every B run against the mean of its neighbouring A
 runs, the intervals), ``report.json`` (the same for machines) and
-``report.png`` (needs matplotlib: ``pip install 'dsv4-presets[plot]'``).
+``report.png`` (needs matplotlib: ``pip install './packages/dsv4-presets[plot]'``).
 """
 
 from __future__ import annotations
@@ -375,7 +375,7 @@ def render_plot(report: Mapping[str, Any], path: Path) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install 'dsv4-presets[plot]')"
+        return "matplotlib is not installed (pip install './packages/dsv4-presets[plot]')"
     runs: Sequence[Mapping[str, Any]] = report["runs"]
     labels = [r["label"] for r in runs]
     colours = {"A": "#1f77b4", "B": "#ff7f0e"}
