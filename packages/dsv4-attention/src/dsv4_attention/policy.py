@@ -144,15 +144,23 @@ def _declined(facts: LayerFacts, device: Device, table: MeasuredTable | None) ->
     return None
 
 
+def _prefill_declined(
+    facts: LayerFacts, device: Device, table: MeasuredTable | None, switches: Switches
+) -> Choice | None:
+    """The refusal both prefill decisions share (the switch, the layer, the table)."""
+    if switches.prefill_disable:
+        return Choice(False, f"{ENV_PREFILL_DISABLE}=1")
+    declined = _declined(facts, device, table)
+    return None if declined is None else Choice(False, declined)
+
+
 def prefill_choice(
     facts: LayerFacts, device: Device, table: MeasuredTable | None, switches: Switches
 ) -> Choice:
     """Whether this layer kind's prefill may take ours (decided once, at start-up)."""
-    if switches.prefill_disable:
-        return Choice(False, f"{ENV_PREFILL_DISABLE}=1")
-    declined = _declined(facts, device, table)
-    if declined is not None:
-        return Choice(False, declined)
+    refused = _prefill_declined(facts, device, table, switches)
+    if refused is not None:
+        return refused
     assert table is not None
     if table.prefill.requires_wgmma and not device.wgmma:
         return Choice(False, "the Gluon wgmma kernel does not build here")
@@ -185,13 +193,13 @@ def native_prefill_choice(
     """Whether vLLM's own prefill of a DeepSeek-V4 layer kind runs at the real heads (the
     FlashMLA vLLM 0.33 bundles, as vLLM's V4.1 class calls it) where ours is not taken:
     only where that call was measured faster than vLLM's padded one at these heads."""
-    if switches.prefill_disable:
-        return Choice(False, f"{ENV_PREFILL_DISABLE}=1")
-    declined = _declined(facts, device, table)
-    if declined is not None:
-        return Choice(False, declined)
+    refused = _prefill_declined(facts, device, table, switches)
+    if refused is not None:
+        return refused
     assert table is not None
-    if facts.family != "v4" or facts.vllm_native:
+    if facts.family != "v4":
+        return Choice(False, "a DeepSeek-V4.1 layer: its prefill heads are its class's own")
+    if facts.vllm_native:
         return Choice(False, "vLLM's own prefill already runs at the real heads")
     if not facts.native_prefill:
         return Choice(False, "this vLLM's FlashMLA has no small-heads sparse prefill here")

@@ -412,14 +412,18 @@ class HeadExactRuntime:
                 state.prefill = Choice(False, reason)
             if what in ("decode", "start-up"):
                 state.decode = Choice(False, reason)
-        line = f"{what}/{kind}"
-        if line not in self._warned:
-            self._warned.add(line)
-            self.access.warning(
-                f"dsv4-attention: the {what} of {kind} raised {type(exc).__name__}: {exc}; "
-                f"this and later steps take vLLM's own {what} there"
-            )
+        self._warn_once(
+            f"{what}/{kind}",
+            f"dsv4-attention: the {what} of {kind} raised {type(exc).__name__}: {exc}; "
+            f"this and later steps take vLLM's own {what} there",
+        )
         return False
+
+    def _warn_once(self, key: str, text: str) -> None:
+        """vLLM's warning ``text``, once per ``key`` in this process."""
+        if key not in self._warned:
+            self._warned.add(key)
+            self.access.warning(text)
 
     def prefill(
         self,
@@ -548,14 +552,11 @@ class HeadExactRuntime:
             state = self.kinds.get((facts.compress_ratio, facts.heads))
             if state is not None:
                 state.native = Choice(False, f"raised {type(exc).__name__}")
-        line = f"native/{getattr(facts, 'kind', None)}"
-        if line not in self._warned:
-            self._warned.add(line)
-            self.access.warning(
-                f"dsv4-attention: vLLM's prefill at the real heads raised "
-                f"{type(exc).__name__}: {exc}; this and later steps run it padded, as vLLM "
-                "calls it"
-            )
+        self._warn_once(
+            f"native/{getattr(facts, 'kind', None)}",
+            f"dsv4-attention: vLLM's prefill at the real heads raised {type(exc).__name__}: "
+            f"{exc}; this and later steps run it padded, as vLLM calls it",
+        )
 
     def prepare(self, layer: Any, q: torch.Tensor) -> None:
         """vLLM's profile run (no metadata): decide this layer's kind now, reserving the
