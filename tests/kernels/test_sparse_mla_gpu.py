@@ -85,6 +85,9 @@ FLASHMLA_SHAPES = {
     "flash-tp8-swa": _shape("swa", 8),
     "flash-dp-c128a": _shape("c128a", 64),
     "pro-tp8-c4a-fresh": _shape("c4a", 16, topk=1024, fresh=True),
+    # DeepSeek-V4.1's top-k layers: full-length (ratio 1) and ratio-2 pages
+    "v41-flash-tp8-c1a": _shape("c1a", 8, topk=512),
+    "v41-pro-tp8-c2a-fresh": _shape("c2a", 16, topk=1024, fresh=True),
 }
 
 
