@@ -37,9 +37,8 @@ Two defects of the plugin's V4.1 prefill were found here and fixed: a step of mo
 than four V4.1 layers (each its own window KV-cache group) ran out of window row sets
 (now the oldest set's slot is reused), and vLLM's SWA bounded replay (on by default
 with model runner V2) starts a request's window rows at its replay start, which our
-rows do not (now a layer whose window cache replays keeps vLLM's prefill, with the
-reason in its decision line).  The step tests run with bounded replay off
-(``--no-swa-bounded-replay``), the replay tests with it on.
+rows did not (now the index rows start at vLLM's gather start).  The step tests run
+with bounded replay off, the replay tests with it on.
 """
 
 from __future__ import annotations
@@ -819,10 +818,10 @@ def test_vllms_v41_prefill_bounds_the_window_at_replay_start(
 def test_our_v41_prefill_bounds_the_window_at_replay_start(
     vllm_v41: FlashMLACalls, workspace: Any, no_warmup: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same replaying step through the plugin with bounded replay on: its output must
-    be vLLM's (the reference over windows starting at ``replay_start``), whoever computes
-    it.  The layers' window caches replay, so the plugin leaves their prefill to vLLM,
-    saying why once per kind, and vLLM's FlashMLA computes every prefill."""
+    """The same replaying step through the plugin with bounded replay on: its output is
+    vLLM's (the reference over windows starting at ``replay_start``), computed by ours:
+    the plan's window rows start at vLLM's gather start (``prefill_seq_lens -
+    prefill_gather_lens``), so vLLM's FlashMLA prefill is never called."""
     seed = fresh_seed()
     g = generator(seed)
     heads = 8
@@ -837,9 +836,9 @@ def test_our_v41_prefill_bounds_the_window_at_replay_start(
         step = make_step(stack, g, [16, 6], [300, 6], num_decodes=0, replay_start=[284, 0])
         q = _q(step, heads, g)
         results = _run(stack, step, q, g)
-    assert len(vllm_v41.prefill) == len(stack.layers)
+    assert vllm_v41.prefill == []
     for state in rt.kinds.values():
-        assert not state.prefill.ours and "bounded replay" in state.prefill.reason, state
+        assert state.prefill.ours, state
     for layer, (out, topk) in zip(stack.layers, results, strict=True):
         want = reference_attention(layer, step, q, heads, topk)
         _close(out[:, :heads], want, f"seed {seed}, {layer.prefix}")

@@ -334,3 +334,57 @@ def test_cpu_tensors_use_the_reference_without_the_interpreter() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_window_floor_bounds_the_window_rows(group: int, kernel_device: torch.device) -> None:
+    check_window_floor(group, kernel_device)
+
+
+def check_window_floor(group: int, kernel_device: torch.device) -> None:
+    """vLLM's SWA bounded replay: after a prefix hit a request holds window KV only from
+    its replay start (``seq_lens - prefill_gather_lens``).  With ``window_floor`` every
+    token's window row is the unbounded row's positions at or above the floor (the same
+    slots, the first ones dropped), per-token and grouped, kernel equal to the reference;
+    a floor at 0 changes nothing."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    case = make_prefill_index_case(
+        [7, 1, 12, 5], [300, 0, 40, 129], compress_ratio=1, device=kernel_device, seed=seed
+    )
+    seq = case.seq_lens.cpu().long()
+    qsl = case.query_start_loc.cpu().long()
+    qlen = qsl[1:] - qsl[:-1]
+    prefix = seq - qlen
+    # a floor anywhere from below the window's reach up to the chunk's first position
+    floor = (prefix - torch.randint(0, 160, (4,), generator=g)).clamp(min=0).to(torch.int32)
+    common = dict(num_tokens=case.num_tokens, window_block_table=case.window_block_table)
+    build = dk.build_grouped_prefill_indices if group > 1 else dk.build_prefill_indices
+    build_ref = ref.build_grouped_prefill_indices if group > 1 else ref.build_prefill_indices
+    extra: dict[str, Any] = {"group_size": group} if group > 1 else {}
+    got = build(case.query_start_loc, case.seq_lens, window_floor=floor.to(kernel_device),
+                **common, **extra)  # fmt: skip
+    want = build_ref(case.query_start_loc.cpu(), case.seq_lens.cpu(), window_floor=floor,
+                     **{**common, "window_block_table": case.window_block_table.cpu()},
+                     **extra)  # fmt: skip
+    for a, b in zip(got, want, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.cpu(), b.cpu()), f"seed {seed}: kernel != reference"
+    zero = torch.zeros(4, dtype=torch.int32)
+    free = build(case.query_start_loc, case.seq_lens, window_floor=zero.to(kernel_device),
+                 **common, **extra)  # fmt: skip
+    plain = build(case.query_start_loc, case.seq_lens, **common, **extra)
+    for a, b in zip(free, plain, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.cpu(), b.cpu()), f"seed {seed}: a zero floor changed the rows"
+    if group > 1:
+        return
+    # per token: the bounded row is the unbounded row's tail from the floor on
+    req = torch.repeat_interleave(torch.arange(4), qlen)
+    pos = prefix[req] + (torch.arange(case.num_tokens) - qsl[req] + qsl[0])
+    lens_u, lens_b = plain.window_lens.cpu().long(), got.window_lens.cpu().long()
+    assert torch.equal(lens_b, (pos + 1 - torch.maximum(pos - (WINDOW - 1), floor.long()[req])))
+    for t in range(case.num_tokens):
+        u, b = int(lens_u[t]), int(lens_b[t])
+        row_u, row_b = plain.window[t].cpu(), got.window[t].cpu()
+        assert torch.equal(row_b[:b], row_u[u - b : u]), f"seed {seed}, token {t}"

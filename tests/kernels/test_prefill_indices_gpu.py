@@ -163,3 +163,12 @@ def test_no_recompilation_for_runtime_sizes(gpu: torch.device) -> None:
     run_all(2, [700, 1, 0, 33], [9000, 0, 5, 20000], 256)
     run_all(3, [1], [77], 384)
     assert _compiled(kernels._prefill_indices_kernel) == before
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_window_floor_bounds_the_window_rows_gpu(group: int) -> None:
+    """The window floor (vLLM's SWA bounded replay) compiled for the GPU: as on CPU."""
+    from .test_prefill_indices import check_window_floor
+
+    assert torch.cuda.is_available(), "this test needs a CUDA GPU"
+    check_window_floor(group, torch.device("cuda"))

@@ -170,7 +170,7 @@ class LayerFacts:
         bounded_replay: whether the layer's window cache runs vLLM's SWA bounded
             replay (V4.1 on model runner V2, ``--swa-bounded-replay``, on by default):
             after a prefix hit a request holds window KV only from its replay start,
-            and vLLM's prefill rows stop there.
+            and vLLM's prefill rows stop there (so do ours: the plan's window floor).
     """
 
     name: str

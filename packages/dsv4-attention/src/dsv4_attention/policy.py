@@ -164,13 +164,6 @@ def prefill_choice(
     assert table is not None
     if table.prefill.requires_wgmma and not device.wgmma:
         return Choice(False, "the Gluon wgmma kernel does not build here")
-    if facts.bounded_replay:
-        return Choice(
-            False,
-            "vLLM's SWA bounded replay is on (after a prefix hit its window rows start at "
-            "each request's replay start, which the head-exact rows do not bound yet; "
-            "--no-swa-bounded-replay lifts it)",
-        )
     limit = prefill_heads_limit(facts, table.prefill, switches, short_rows=True)
     if facts.heads > limit:
         return Choice(

@@ -66,6 +66,9 @@ class PrefillPlan:
             that every row of the step is built into, so the step allocates nothing
             (more distinct row sets than slots reuse the oldest set's slot); None:
             the rows are allocated by torch.
+        window_floor: ``[>= num_reqs]`` int32, the first position each request holds
+            window KV from (vLLM's SWA bounded replay: ``prefill_seq_lens -
+            prefill_gather_lens``); window rows start no lower.  None: position 0.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class PrefillPlan:
         right_visible: torch.Tensor | None = None,
         check_values: bool = False,
         scratch: PrefillScratch | None = None,
+        window_floor: torch.Tensor | None = None,
     ) -> None:
         if left_visible is not None or right_visible is not None:
             raise ValueError(
@@ -93,6 +97,7 @@ class PrefillPlan:
         self.num_tokens = num_tokens
         self.window_size = window_size
         self.check_values = check_values
+        self.window_floor = window_floor
         self._rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # grouped rows: (the block table, to keep it alive; the rows built with it)
         self._grouped: dict[tuple[Any, ...], tuple[torch.Tensor, Any]] = {}
@@ -161,6 +166,7 @@ class PrefillPlan:
             num_tokens=self.num_tokens,
             window_size=self.window_size,
             check_values=self.check_values,
+            window_floor=self.window_floor,
             **kwargs,
         )
 
@@ -283,6 +289,7 @@ class PrefillPlan:
                 comp_block_size=comp_block_size,
                 topk=c128a_topk if ckey is not None and comp is None else None,
                 check_values=self.check_values,
+                window_floor=self.window_floor,
             )
             if window is None:
                 window = (window_block_table, built)

@@ -52,11 +52,18 @@ def prefill_plan(swa_metadata: Any, scratch: Any) -> PrefillPlan:
     """The step's plan from vLLM's window metadata (any group's: they share the step)."""
     num_decodes = int(swa_metadata.num_decodes)
     num_prefills = int(swa_metadata.num_prefills)
+    seq = swa_metadata.prefill_seq_lens
+    gather = getattr(swa_metadata, "prefill_gather_lens", None)
+    # vLLM's window region of each request: its last ``gather_lens`` tokens.  With SWA
+    # bounded replay (V4.1) a request holds window KV only from its replay start, and
+    # vLLM's rows stop there; otherwise the floor is below every token's window.
+    floor = None if gather is None else (seq[:num_prefills] - gather[:num_prefills]).to(torch.int32)
     return PrefillPlan(
         swa_metadata.query_start_loc[num_decodes : num_decodes + num_prefills + 1],
-        swa_metadata.prefill_seq_lens,
+        seq,
         num_tokens=int(swa_metadata.num_prefill_tokens),
         scratch=scratch,
+        window_floor=floor,
     )
 
 

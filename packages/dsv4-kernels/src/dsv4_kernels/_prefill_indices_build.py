@@ -100,6 +100,7 @@ def _build(
     grouped: bool = False,
     leads_out: torch.Tensor | None = None,
     starts_out: torch.Tensor | None = None,
+    window_floor: torch.Tensor | None = None,
 ) -> PrefillIndices | GroupedPrefillIndices:
     """:func:`build_prefill_indices` (``group == 1``) and
     :func:`build_grouped_prefill_indices` (``group > 1``): checks, then one launch."""
@@ -115,6 +116,9 @@ def _build(
         raise ValueError("query_start_loc describes no request but num_tokens > 0")
     check_positive_int("window_size", window_size)
     check_positive_int("window_block_size", window_block_size)
+    if window_floor is not None:
+        check_tensor("window_floor", window_floor, dtype=INDEX_DTYPES, ndim=1, device=device)
+        check_min_length("window_floor", window_floor, num_reqs, "one per request")
     tables: list[tuple[str, torch.Tensor, int, int]] = []
     if window_block_table is not None:
         _check_block_table("window_block_table", window_block_table, num_reqs, device)
@@ -218,6 +222,7 @@ def _build(
             comp_block_table=comp_block_table if mode else None,
             comp_block_size=comp_block_size,
             topk=topk if mode else None,
+            window_floor=window_floor,
         )
         if grouped:
             rows = ref.build_grouped_prefill_indices(
@@ -290,6 +295,7 @@ def _build(
         comp_lens if comp_lens is not None else any_i32,
         leads if leads is not None else any_i32,
         starts if starts is not None else any_i32,
+        window_floor if window_floor is not None else any_i32,
         window_block_table.stride(0) if has_window else 0,  # type: ignore[union-attr]
         comp_block_table.stride(0) if mode else 0,  # type: ignore[union-attr]
         topk_indices.stride(0) if mode == 1 else 0,  # type: ignore[union-attr]
@@ -311,6 +317,7 @@ def _build(
         BLOCK_C=BLOCK_C,
         BLOCK_R=BLOCK_R,
         GROUP=group,
+        HAS_FLOOR=window_floor is not None and has_window,
         num_warps=NUM_WARPS,
     )
     return result()

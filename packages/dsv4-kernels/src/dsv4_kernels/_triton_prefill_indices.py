@@ -85,6 +85,7 @@ def _prefill_indices_kernel(
     comp_lens_ptr,  # [num_tokens] int32
     lead_ptr,  # [num_tokens] int32 (GROUP > 1): each token's leader
     win_starts_ptr,  # [num_tokens] int32 (GROUP > 1 with HAS_WINDOW)
+    floor_ptr,  # [>= num_reqs] int32 (HAS_FLOOR): each request's first window position
     # sizes and strides
     win_table_stride,
     comp_table_stride,
@@ -108,6 +109,7 @@ def _prefill_indices_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
     GROUP: tl.constexpr = 1,  # > 1: grouped rows (build_grouped_prefill_indices)
+    HAS_FLOOR: tl.constexpr = False,  # window rows start no lower than floor_ptr[req]
 ):
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -133,12 +135,16 @@ def _prefill_indices_kernel(
     # Constexpr test outside, run-time test inside: the dead branch compiles away.
     if HAS_WINDOW:  # noqa: SIM102
         if pid_c < win_tiles:
-            swa_start = tl.maximum(pos - (WINDOW - 1), 0)
-            swa_len = tl.maximum(tl.minimum(pos + 1, WINDOW), 0)
+            # vLLM's SWA bounded replay: a request holds window KV from its floor on
+            lo = tl.zeros_like(pos)
+            if HAS_FLOOR:
+                lo = tl.maximum(tl.load(floor_ptr + req, mask=tok_ok, other=0), 0)
+            swa_start = tl.maximum(pos - (WINDOW - 1), lo)
+            swa_len = tl.maximum(tl.minimum(pos + 1 - swa_start, WINDOW), 0)
             if pid_c == 0:
                 tl.store(win_lens_ptr + toks, swa_len, mask=tok_ok)
                 if GROUP > 1:
-                    lead_start = tl.maximum(pos - lead_back - (WINDOW - 1), 0)
+                    lead_start = tl.maximum(pos - lead_back - (WINDOW - 1), lo)
                     tl.store(win_starts_ptr + toks, swa_start - lead_start, mask=tok_ok)
             c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
             if GROUP > 1:  # every position of the request from the window's start on

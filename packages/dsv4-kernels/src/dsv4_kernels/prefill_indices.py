@@ -77,6 +77,7 @@ def build_prefill_indices(
     comp_out: torch.Tensor | None = None,
     comp_lens_out: torch.Tensor | None = None,
     check_values: bool = False,
+    window_floor: torch.Tensor | None = None,
 ) -> PrefillIndices:
     """Build a prefill chunk's window and/or compressed rows of global cache slots, in one launch.
 
@@ -117,6 +118,10 @@ def build_prefill_indices(
             each query length, block tables wide enough).  This reads them
             back (a synchronisation); CPU tensors are always checked.
             Unchecked, the kernel never reads out of bounds.
+        window_floor: optional ``[>= num_reqs]`` int32: the first position each
+            request holds window KV from (vLLM's SWA bounded replay after a prefix
+            hit: ``seq_lens - prefill_gather_lens``); window rows start no lower.
+            None: position 0.
 
     Returns:
         :class:`PrefillIndices` ``(window [T, W], window_lens [T], comp [T,
@@ -146,6 +151,7 @@ def build_prefill_indices(
         comp_lens_out=comp_lens_out,
         check_values=check_values,
         group=1,
+        window_floor=window_floor,
     )  # type: ignore[return-value]
 
 
@@ -168,6 +174,7 @@ def build_grouped_prefill_indices(
     leads_out: torch.Tensor | None = None,
     starts_out: torch.Tensor | None = None,
     check_values: bool = False,
+    window_floor: torch.Tensor | None = None,
 ) -> GroupedPrefillIndices:
     """Grouped index rows for SWA-only and C128A layers, whose consecutive tokens share keys.
 
@@ -222,4 +229,5 @@ def build_grouped_prefill_indices(
         check_values=check_values,
         group=group_size,
         grouped=True,
+        window_floor=window_floor,
     )

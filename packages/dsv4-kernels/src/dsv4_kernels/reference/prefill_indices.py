@@ -75,6 +75,14 @@ def _slots(
     return torch.where(live, block * block_size + (entry - page * block_size), -1)
 
 
+def _floor(window_floor: torch.Tensor | None, req: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Each token's lowest window position: its request's ``window_floor`` (vLLM's SWA
+    bounded replay: the request holds window KV from there on), else 0."""
+    if window_floor is None or req.numel() == 0:
+        return torch.zeros_like(pos)
+    return window_floor.long().to(pos.device)[req].clamp(min=0)
+
+
 def build_prefill_indices(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -92,6 +100,7 @@ def build_prefill_indices(
     window_lens_out: torch.Tensor | None = None,
     comp_out: torch.Tensor | None = None,
     comp_lens_out: torch.Tensor | None = None,
+    window_floor: torch.Tensor | None = None,
 ) -> PrefillIndices:
     """Reference of :func:`dsv4_kernels.build_prefill_indices` (same contract)."""
     device = query_start_loc.device
@@ -100,8 +109,9 @@ def build_prefill_indices(
 
     if window_block_table is not None:
         w = window_size
-        swa_start = (pos - (w - 1)).clamp(min=0)
-        swa_len = torch.minimum(pos + 1, torch.full_like(pos, w)).clamp(min=0)
+        lo = _floor(window_floor, req, pos)
+        swa_start = torch.maximum(pos - (w - 1), lo)
+        swa_len = torch.minimum(pos + 1 - swa_start, torch.full_like(pos, w)).clamp(min=0)
         c = torch.arange(w, device=device)[None, :]
         p = swa_start[:, None] + c
         rows = _slots(req, p, c < swa_len[:, None], window_block_table, window_block_size)
@@ -172,6 +182,7 @@ def build_grouped_prefill_indices(
     comp_block_size: int | None = None,
     compress_ratio: int = 128,
     topk: int | None = None,
+    window_floor: torch.Tensor | None = None,
 ) -> GroupedPrefillIndices:
     """Reference of :func:`dsv4_kernels.build_grouped_prefill_indices` (same contract)."""
     device = query_start_loc.device
@@ -186,10 +197,12 @@ def build_grouped_prefill_indices(
     window = window_starts = window_lens = comp = comp_lens = None
     if window_block_table is not None:
         w = window_size
-        start = (pos - (w - 1)).clamp(min=0)
-        lead_start = (pos - (t - leads) - (w - 1)).clamp(min=0)
+        lo = _floor(window_floor, req, pos)
+        start = torch.maximum(pos - (w - 1), lo)
+        lead_start = torch.maximum(pos - (t - leads) - (w - 1), lo)
         window_starts = (start - lead_start).to(torch.int32)
-        window_lens = torch.minimum(pos + 1, torch.full_like(pos, w)).clamp(min=0).to(torch.int32)
+        window_lens = torch.minimum(pos + 1 - start, torch.full_like(pos, w)).clamp(min=0)
+        window_lens = window_lens.to(torch.int32)
         c = torch.arange(w + g - 1, device=device)[None, :]
         p = start[:, None] + c
         live = (p < seq[:, None]) & (pos[:, None] >= 0)
