@@ -78,14 +78,9 @@ def state():
 report["import"] = state()
 """
 
-# vLLM's platform as a CUDA GPU (for vLLM's selector and, where set, for the plugin)
-FAKE_CUDA = """
-import vllm.platforms
-from vllm.config import VllmConfig
-from vllm.platforms.interface import DeviceCapability
-import vllm.forward_context, vllm.v1.worker.workspace, vllm.v1.worker.ubatching
-from vllm.utils import import_utils
-config = VllmConfig()  # built on the real platform
+# vLLM's platform as a CUDA GPU of a given name and capability (script text; needs
+# ``vllm.platforms`` and ``DeviceCapability`` imported before it)
+FAKE_CUDA_CLASS = """
 REAL_PLATFORM = vllm.platforms.current_platform
 
 class FakeCuda:
@@ -99,7 +94,20 @@ class FakeCuda:
         return self.name
     def __getattr__(self, attr):
         return getattr(REAL_PLATFORM, attr)
+"""
 
+# vLLM's platform as a CUDA GPU (for vLLM's selector and, where set, for the plugin)
+FAKE_CUDA = (
+    """
+import vllm.platforms
+from vllm.config import VllmConfig
+from vllm.platforms.interface import DeviceCapability
+import vllm.forward_context, vllm.v1.worker.workspace, vllm.v1.worker.ubatching
+from vllm.utils import import_utils
+config = VllmConfig()  # built on the real platform
+"""
+    + FAKE_CUDA_CLASS
+    + """
 def select(name="NVIDIA H200", capability=(9, 0), plugin_sees_it=False):
     # vLLM's selector always sees the GPU; the plugin (vllm.platforms) only when asked
     fake = FakeCuda(name, capability)
@@ -124,6 +132,7 @@ def select(name="NVIDIA H200", capability=(9, 0), plugin_sees_it=False):
         report["table"] = rt.table.device_name
     return chosen
 """
+)
 
 SELECT_ONCE = FAKE_CUDA + "select()\n"
 

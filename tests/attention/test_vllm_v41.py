@@ -78,7 +78,7 @@ from ._vllm_v41 import (
     v41_config,
     vllm_distributed,
 )
-from .test_vllm_plugin import plugin_lines, records, run_script
+from .test_vllm_plugin import FAKE_CUDA_CLASS, plugin_lines, records, run_script
 
 pytestmark = pytest.mark.vllm
 
@@ -116,7 +116,8 @@ def v41_table() -> tables.MeasuredTable:
 
 # --- 1. class resolution, in fresh processes -------------------------------------------
 
-SCRIPT = """
+SCRIPT = (
+    """
 import inspect
 from vllm.config import VllmConfig, set_current_vllm_config
 config = VllmConfig()  # built on the real platform
@@ -125,20 +126,9 @@ config.model_config = types.SimpleNamespace(
     hf_config=types.SimpleNamespace(sliding_window=128, index_topk=512))
 import vllm.platforms
 from vllm.platforms.interface import DeviceCapability
-REAL_PLATFORM = vllm.platforms.current_platform
-
-class FakeCuda:
-    def __init__(self, name, capability):
-        self.name, self.capability = name, capability
-    def is_cuda(self):
-        return True
-    def get_device_capability(self, device_id=0):
-        return DeviceCapability(*self.capability)
-    def get_device_name(self, device_id=0):
-        return self.name
-    def __getattr__(self, attr):
-        return getattr(REAL_PLATFORM, attr)
-
+"""
+    + FAKE_CUDA_CLASS
+    + """
 stage[0] = "import"
 with set_current_vllm_config(config):
     {imports}
@@ -205,6 +195,7 @@ def select(family, name_="NVIDIA H200", capability=(9, 0), plugin_sees_it=False)
         "state": state(),
     }}
 """
+)
 
 
 def v41_script(architectures: list[str], imports: str, body: str) -> str:
