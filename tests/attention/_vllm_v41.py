@@ -113,8 +113,8 @@ def v41_config(
 ) -> Any:
     """vLLM's ``VllmConfig`` of a V4.1 deployment: vLLM's scheduler, cache and attention
     configs; the model config a stand-in with the fields vLLM reads.  SWA bounded replay
-    (vLLM's default with model runner V2) is off unless ``bounded_replay``: with it the
-    plugin leaves V4.1's prefill to vLLM (its window rows stop at the replay start)."""
+    (vLLM's default with model runner V2) is off unless ``bounded_replay`` (what bounds
+    a request's window is the step's ``replay_start``, which the tests set)."""
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 
     scheduler = SchedulerConfig(
@@ -554,12 +554,14 @@ class FlashMLACalls:
 
     prefill: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     decode: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    raise_at: int | None = None  # the prefill stand-in raises for calls at these heads
 
 
 def flashmla_recorders(calls: FlashMLACalls) -> dict[str, Any]:
     """Stand-ins for FlashMLA's sparse prefill and decode (CUDA only): each records its
     arguments and writes the pure-torch reference attention of exactly what it is
-    given into ``out`` (on every head it is given, as FlashMLA does)."""
+    given into ``out`` (on every head it is given, as FlashMLA does); the prefill raises
+    instead, after recording, for a call at ``calls.raise_at`` query heads."""
 
     def flash_mla_sparse_fwd(
         q: torch.Tensor,
@@ -575,6 +577,8 @@ def flashmla_recorders(calls: FlashMLACalls) -> dict[str, Any]:
             dict(q=q, kv=kv, indices=indices, sm_scale=sm_scale, d_v=d_v, attn_sink=attn_sink,
                  topk_length=topk_length, out=out)
         )  # fmt: skip
+        if calls.raise_at is not None and q.shape[1] == calls.raise_at:
+            raise RuntimeError(f"no kernel for {q.shape[1]} heads")
         got, lse = dk.reference.sparse_mla_workspace(
             q, kv, indices.squeeze(1), topk_length, sm_scale, attn_sink=attn_sink
         )

@@ -43,14 +43,13 @@ from typing import Any
 import pytest
 import torch
 
-import dsv4_kernels as dk
 from dsv4_attention import tables
 from dsv4_attention.runtime import HeadExactRuntime, make_attention_cls
 from dsv4_attention.vllm_targets import installed_facts
 from dsv4_kernels.testing.common import fresh_seed, generator
 
 from ._vllm_hopper import hopper_attention_class
-from ._vllm_v41 import FakeHopper
+from ._vllm_v41 import FakeHopper, FlashMLACalls, flashmla_recorders
 from .test_vllm_step import PADDED, Model, _reference, _run_layer
 
 pytestmark = pytest.mark.vllm
@@ -86,39 +85,17 @@ def _table(native_heads: list[int] | None) -> tables.MeasuredTable:
 
 
 @dataclasses.dataclass
-class SparseFwd:
-    """The bundled ``flash_mla_sparse_fwd`` stand-in: records every call's arguments and
-    writes the reference attention of what it was given into ``out`` (every head it
-    is given); raises instead for a call at ``raise_at`` query heads."""
+class SparseFwd(FlashMLACalls):
+    """The bundled ``flash_mla_sparse_fwd`` stand-in: the V4.1 tests' recorder (records
+    every call's arguments and writes the reference attention of what it was given into
+    ``out``), raising instead for a call at ``raise_at`` query heads (read at each call)."""
 
-    calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    raise_at: int | None = None
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        return self.prefill
 
     def function(self) -> Any:
-        def flash_mla_sparse_fwd(
-            q: torch.Tensor,
-            kv: torch.Tensor,
-            indices: torch.Tensor,
-            sm_scale: float,
-            d_v: int = 512,
-            attn_sink: torch.Tensor | None = None,
-            topk_length: torch.Tensor | None = None,
-            out: torch.Tensor | None = None,
-        ) -> Any:
-            self.calls.append(
-                dict(q=q, kv=kv, indices=indices, sm_scale=sm_scale, d_v=d_v,
-                     attn_sink=attn_sink, topk_length=topk_length, out=out)
-            )  # fmt: skip
-            if self.raise_at is not None and q.shape[1] == self.raise_at:
-                raise RuntimeError(f"no kernel for {q.shape[1]} heads")
-            got, lse = dk.reference.sparse_mla_workspace(
-                q, kv, indices.squeeze(1), topk_length, sm_scale, attn_sink=attn_sink
-            )
-            if out is not None:
-                out.copy_(got)
-            return got, lse
-
-        return flash_mla_sparse_fwd
+        return flashmla_recorders(self)["flash_mla_sparse_fwd"]
 
 
 class _Lines(logging.Handler):

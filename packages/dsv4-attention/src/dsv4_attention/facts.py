@@ -167,10 +167,6 @@ class LayerFacts:
             on SM90 runs the real 8, 16 or 32: ``_prefill_num_heads``; else padded).
         native_prefill: whether vLLM's bundled FlashMLA can run the sparse prefill at
             the real heads here (vLLM 0.33 on SM90), for V4 layers too.
-        bounded_replay: whether the layer's window cache runs vLLM's SWA bounded
-            replay (V4.1 on model runner V2, ``--swa-bounded-replay``, on by default):
-            after a prefix hit a request holds window KV only from its replay start,
-            and vLLM's prefill rows stop there (so do ours: the plan's window floor).
     """
 
     name: str
@@ -187,7 +183,6 @@ class LayerFacts:
     padded_heads: int = 64
     vllm_prefill_heads: int = 64
     native_prefill: bool = False
-    bounded_replay: bool = False
 
     @property
     def vllm_native(self) -> bool:
@@ -265,7 +260,4 @@ class LayerFacts:
             padded_heads=padded,
             vllm_prefill_heads=int(getattr(layer, "_prefill_num_heads", None) or padded),
             native_prefill=serving.native_prefill,
-            bounded_replay=bool(
-                getattr(getattr(layer, "swa_cache_layer", None), "bounded_replay", False)
-            ),
         )

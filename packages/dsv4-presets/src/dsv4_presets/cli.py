@@ -346,20 +346,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"note: --model not given: a real run asks {base_url}/v1/models for the "
                 f"served model; {DRY_RUN_MODEL} stands for it here"
             )
-        argv = config.to_argv(
-            base_url=base_url,
-            model=model,
-            result_dir=args.result_dir,
-            result_filename=filename,
-            tokenizer=args.tokenizer,
-        )
-        print(shlex.join([*vllm_command(), "bench", "serve", *argv]))
-        return 0
-    try:
-        model = args.model or served_model(base_url)
-    except BenchResultError as exc:
-        _err(f"dsv4 bench: {exc}")
-        return 1
+    else:
+        try:
+            model = args.model or served_model(base_url)
+        except BenchResultError as exc:
+            _err(f"dsv4 bench: {exc}")
+            return 1
     argv = config.to_argv(
         base_url=base_url,
         model=model,
@@ -367,7 +359,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         result_filename=filename,
         tokenizer=args.tokenizer,
     )
-    _err("+ " + shlex.join([*vllm_command(), "bench", "serve", *argv]))
+    command = shlex.join([*vllm_command(), "bench", "serve", *argv])
+    if args.dry_run:
+        print(command)
+        return 0
+    _err("+ " + command)
     rc, path = run_bench(
         config,
         base_url=base_url,
