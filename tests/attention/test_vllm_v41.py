@@ -39,6 +39,9 @@ than four V4.1 layers (each its own window KV-cache group) ran out of window row
 with model runner V2) starts a request's window rows at its replay start, which our
 rows did not (now the index rows start at vLLM's gather start).  The step tests run
 with bounded replay off, the replay tests with it on.
+
+Long on purpose (over 500 lines): one module per vLLM integration surface, like
+``test_vllm_step.py``; the shared builders are in ``_vllm_v41.py``.
 """
 
 from __future__ import annotations

@@ -27,6 +27,11 @@ across layers and steps, so there is no module state anywhere else:
   request.
 
 Design: ``docs/design.md`` (the runtime object and its decisions).
+
+One module on purpose (over 500 lines): the runtime's state (kinds, scratch, step,
+warnings) and the attention class it builds are one unit that every step touches;
+its decisions (``policy``), facts (``facts``) and vLLM argument mapping
+(``vllm_calls``) already live elsewhere.
 """
 
 from __future__ import annotations
