@@ -1,0 +1,403 @@
+"""What a user gains per step: the whole model's attention with and without the plugin.
+
+One decode step and one prefill chunk of every attention layer of DeepSeek-V4-Flash (43
+layers) and V4-Pro (61), in their real mix of window-only, C4A and C128A layers
+(:mod:`benchmarks.model_facts`), on one GPU at TP8's local heads (8 and 16), as vLLM 0.33
+runs them (:mod:`.model_step_decode`, :mod:`.model_step_prefill`):
+
+* ``vllm-tp8``: vLLM's path: its metadata kernels and FlashMLA padded to 64 heads;
+* ``dsv4-tp8``: the plugin's path, each layer kind where the H200 table takes it;
+* ``vllm-dp8``: the DP8 layout's step on one GPU: all 64 (128) heads, FlashMLA at its
+  native head count, ``ceil(batch / 8)`` of the requests (decode) or a whole chunk
+  (prefill) per GPU.
+
+Grid: decode batches 1, 8, 32, 128, 256 requests of 1 token, or 2 with MTP's draft (the
+``mtp`` presets), at 8K, 128K and 1M context, one CUDA graph per step; prefill chunks of
+4,096 and 16,384 tokens at the same contexts, eager (as vLLM runs prefill attention).
+Every path is poisoned, run, checked (every layer written; the first and last layer of
+each kind against the float32 reference on sampled tokens) and only then timed.
+``floor``: the distinct keys' FP8 bytes, query, output and lse of every layer at the
+measured copy bandwidth.
+
+    PYTHONPATH=packages/dsv4-kernels/src:packages/dsv4-attention/src:. \\
+        python3 -m benchmarks.model_step --out results/model_step [--vllm-peer .vllm_peer]
+
+writes ``results.jsonl`` (every provider and case), ``model_step.json`` (the rows of the
+tables), ``model_step.md`` and ``model_step.png``.  Without a GPU: a labelled smoke run
+of a tiny four-layer model through Triton's interpreter (checks only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import harness
+from .harness import BenchCase, Provider, Result
+from .model_step_common import StepModel, metadata_ops, step_model, tiny_model
+
+DECODE = "model_step_decode"
+PREFILL = "model_step_prefill"
+VLLM, OURS, DP8 = "vllm-tp8", "dsv4-tp8", "vllm-dp8"
+MODELS = ("v4-flash", "v4-pro")
+BATCHES = (1, 8, 32, 128, 256)
+PER_REQUEST = (1, 2)  # plain decode; MTP with one draft token (the mtp presets)
+CONTEXTS = (8192, 131072, 1048576)
+CHUNKS = (4096, 16384)
+SMOKE_CONTEXT = 300
+
+
+def decode_cases(
+    models: Sequence[str], device: torch.device, ops: Any, only: Sequence[str] = ()
+) -> list[tuple[Any, Callable[[], BenchCase]]]:
+    """(cell, a builder of its case) for the decode grid (or the smoke set on a CPU)."""
+    from . import model_step_decode as md
+
+    gpu = device.type == "cuda"
+    cells = []
+    if gpu:
+        for name in models:
+            tp, dp = step_model(name, "tp8"), step_model(name, "dp8")
+            for ctx in CONTEXTS:
+                for b in BATCHES:
+                    for g in PER_REQUEST:
+                        cells.append(
+                            (md.DecodeCell(tp, b, g, ctx), md.DecodeCell(dp, -(-b // 8), g, ctx))
+                        )
+    else:
+        tp, dp = tiny_model(8), tiny_model(64, "dp8")
+        cells = [
+            (md.DecodeCell(tp, b, g, SMOKE_CONTEXT), md.DecodeCell(dp, 1, g, SMOKE_CONTEXT))
+            for b, g in ((1, 1), (2, 2))
+        ]
+    cells = [c for c in cells if not only or any(o in c[0].name for o in only)]
+
+    def build(tp_cell: Any, dp_cell: Any) -> BenchCase:
+        from dsv4_kernels.testing.common import fresh_seed
+
+        seed = fresh_seed()
+        step = md.build_step(tp_cell, device, seed)
+        dp_step = md.build_step(dp_cell, device, seed + 1)
+        paths = [
+            (md.vllm_path(step, ops, VLLM), step),
+            (md.plugin_path(step, ops, OURS), step),
+            (md.vllm_path(dp_step, ops, DP8), dp_step),
+        ]
+        providers = [Provider(p.name, p.run, p.poison, md.checker(s, p)) for p, s in paths]
+        return BenchCase(
+            DECODE,
+            tp_cell.name,
+            tp_cell.tokens,
+            md.floor_bytes(step),
+            providers,
+            _params(tp_cell, dp_cell, paths[1][0].ours, seed, gpu),
+        )
+
+    return [(c[0], lambda c=c: build(*c)) for c in cells]
+
+
+def prefill_cases(
+    models: Sequence[str], device: torch.device, ops: Any, only: Sequence[str] = ()
+) -> list[tuple[Any, Callable[[], BenchCase]]]:
+    from . import model_step_prefill as mp
+
+    gpu = device.type == "cuda"
+    if gpu:
+        cells = [
+            (
+                mp.chunk_cell(step_model(n, "tp8"), chunk, ctx),
+                mp.chunk_cell(step_model(n, "dp8"), chunk, ctx),
+            )
+            for n in models
+            for chunk in CHUNKS
+            for ctx in CONTEXTS
+        ]
+    else:
+        cells = [
+            (
+                mp.PrefillCell(tiny_model(8), 1, 6, SMOKE_CONTEXT),
+                mp.PrefillCell(tiny_model(64, "dp8"), 1, 6, SMOKE_CONTEXT),
+            )
+        ]
+    cells = [c for c in cells if not only or any(o in c[0].name for o in only)]
+
+    def build(tp_cell: Any, dp_cell: Any) -> BenchCase:
+        from dsv4_kernels.testing.common import fresh_seed
+
+        seed = fresh_seed()
+        step = mp.build_step(tp_cell, device, seed)
+        dp_step = mp.build_step(dp_cell, device, seed + 7)
+        paths = [
+            (mp.vllm_path(step, ops, VLLM), step),
+            (mp.vllm_path(step, ops, OURS, mp.takes_ours(step)), step),
+            (mp.vllm_path(dp_step, ops, DP8), dp_step),
+        ]
+        providers = [Provider(p.name, p.run, p.poison, mp.checker(s, p)) for p, s in paths]
+        return BenchCase(
+            PREFILL,
+            tp_cell.name,
+            tp_cell.tokens,
+            mp.floor_bytes(step),
+            providers,
+            _params(tp_cell, dp_cell, paths[1][0].ours, seed, gpu),
+        )
+
+    return [(c[0], lambda c=c: build(*c)) for c in cells]
+
+
+def _params(tp: Any, dp: Any, ours: tuple[str, ...], seed: int, gpu: bool) -> dict[str, Any]:
+    m: StepModel = tp.model
+    kinds = {k: m.kinds.count(k) for k in dict.fromkeys(m.kinds)}
+    out = {
+        "model": m.name,
+        "layers": len(m.kinds),
+        "kinds": kinds,
+        "heads": m.heads,
+        "dp_heads": dp.model.heads,
+        "requests": tp.requests,
+        "dp_requests": dp.requests,
+        "context": tp.context,
+        "ours_kinds": list(ours),
+        "seed": seed,
+        "graph": gpu,
+    }
+    if hasattr(tp, "per_request"):
+        out["per_request"] = tp.per_request
+    else:
+        out["query_len"] = tp.query_len
+    return out
+
+
+def run(
+    device: torch.device,
+    bandwidth: float,
+    rep_ms: int,
+    parts: Sequence[str],
+    models: Sequence[str],
+    only: Sequence[str],
+    peer: Path | None,
+    log: Callable[[str], None] = print,
+) -> tuple[list[Result], str]:
+    """Build, check and time every case, one at a time (each case's graphs and buffers
+    are freed before the next); the results and where the metadata kernels came from."""
+    ops = metadata_ops(peer)
+    log(f"model step: metadata kernels: {ops.source}")
+    todo: list[tuple[Any, Callable[[], BenchCase]]] = []
+    if "decode" in parts:
+        todo += decode_cases(models, device, ops, only)
+    if "prefill" in parts:
+        todo += prefill_cases(models, device, ops, only)
+    results: list[Result] = []
+    for _cell, make in todo:
+        case = make()
+        results += harness.run_cases([case], device, bandwidth, rep_ms, log)
+        del case
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results, ops.source
+
+
+def _rows(results: Sequence[Result]) -> list[dict[str, Any]]:
+    """One row per case: each provider's p50 (us per step), the saving and the floor."""
+    by: dict[tuple[str, str], dict[str, Result]] = {}
+    for r in results:
+        by.setdefault((r.kernel, r.case), {})[r.provider] = r
+    rows = []
+    for (kernel, case), provs in by.items():
+        if VLLM not in provs or OURS not in provs:
+            continue
+        v, o = provs[VLLM], provs[OURS]
+        row: dict[str, Any] = {
+            "kernel": kernel,
+            "case": case,
+            **o.params,
+            VLLM: v.p50_us,
+            OURS: o.p50_us,
+            "floor": o.floor_us,
+            "saving_us": v.p50_us - o.p50_us,
+            "saving_pct": 100 * (v.p50_us - o.p50_us) / v.p50_us,
+            "speedup": v.p50_us / o.p50_us,
+        }
+        if DP8 in provs:
+            row[DP8] = provs[DP8].p50_us
+        rows.append(row)
+    return rows
+
+
+def _kinds(p: dict[str, Any]) -> str:
+    return ", ".join(f"{n} {k}" for k, n in p["kinds"].items())
+
+
+def table(rows: Sequence[dict[str, Any]], smoke: bool) -> str:
+    """Markdown tables: decode and prefill, the two paths, the saving, DP8 beside TP8."""
+    out = []
+    dec = [r for r in rows if r["kernel"] == DECODE]
+    pre = [r for r in rows if r["kernel"] == PREFILL]
+    if dec:
+        out += [
+            "### Decode step (all attention layers; on a GPU one CUDA graph per step)",
+            "",
+            f"Layers: {_kinds(dec[0])} ({dec[0]['model']})."
+            if len({r["model"] for r in dec}) == 1
+            else "Layers: " + "; ".join(sorted({f"{r['model']} {_kinds(r)}" for r in dec})) + ".",
+            "",
+        ]
+        if smoke:
+            out += ["| case | vLLM's path | ours | DP8 |", "|---|---|---|---|"]
+            out += [f"| {r['case']} | checked | checked | checked |" for r in dec]
+        else:
+            out += [
+                "| model | batch | tokens/req | context | vLLM TP8 us | ours TP8 us | saving us |"
+                " saving % | speed-up | floor us | DP8 per GPU (64/128 heads) us | faster "
+                "attention step |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in dec:
+                dp = r.get(DP8, math.nan)
+                best = "TP8 + plugin" if r[OURS] <= dp else f"DP8 ({r['dp_requests']} req/GPU)"
+                out.append(
+                    f"| {r['model']} | {r['requests']} | {r['per_request']} | "
+                    f"{_ctx(r['context'])} | "
+                    f"{r[VLLM]:.1f} | **{r[OURS]:.1f}** | {r['saving_us']:.1f} | "
+                    f"{r['saving_pct']:.0f}% | {r['speedup']:.2f}x | {r['floor']:.1f} | {dp:.1f} | "
+                    f"{best} |"
+                )
+        out.append("")
+    if pre:
+        out += ["### Prefill chunk (all attention layers, eager)", ""]
+        if smoke:
+            out += ["| case | vLLM's path | ours | DP8 |", "|---|---|---|---|"]
+            out += [f"| {r['case']} | checked | checked | checked |" for r in pre]
+        else:
+            out += [
+                "| model | requests x tokens | context | vLLM TP8 us | ours TP8 us | saving us | "
+                "saving % | speed-up | floor us | DP8: one chunk on one GPU us | 8 chunks on "
+                "the node: TP8+plugin / DP8 ms | kinds ours |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in pre:
+                dp = r.get(DP8, math.nan)
+                out.append(
+                    f"| {r['model']} | {r['requests']}x{r['query_len']} | {_ctx(r['context'])} | "
+                    f"{r[VLLM]:.0f} | **{r[OURS]:.0f}** | {r['saving_us']:.0f} | "
+                    f"{r['saving_pct']:.0f}% | {r['speedup']:.2f}x | {r['floor']:.0f} | {dp:.0f} | "
+                    f"{8 * r[OURS] / 1e3:.1f} / {dp / 1e3:.1f} | "
+                    f"{', '.join(r['ours_kinds']) or '-'} |"
+                )
+        out.append("")
+    return "\n".join(out)
+
+
+def _ctx(n: int) -> str:
+    return f"{n // 1048576}M" if n % 1048576 == 0 else f"{n // 1024}K"
+
+
+def plot(rows: Sequence[dict[str, Any]], env: dict[str, str], path: Path) -> bool:
+    """Decode time per step against batch: one panel per model and tokens per request,
+    one line per path and context (log-log)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no plot)")
+        return False
+    dec = [r for r in rows if r["kernel"] == DECODE]
+    panels = sorted({(r["model"], r["per_request"]) for r in dec})
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    styles = {VLLM: "--", OURS: "-", DP8: ":"}
+    colours = dict(zip(CONTEXTS, ("#1f77b4", "#ff7f0e", "#2ca02c"), strict=True))
+    for ax, (model, g) in zip(axes[0], panels, strict=True):
+        for ctx in CONTEXTS:
+            pts = sorted(
+                (r["requests"], r)
+                for r in dec
+                if r["model"] == model and r["per_request"] == g and r["context"] == ctx
+            )
+            if not pts:
+                continue
+            for prov, style in styles.items():
+                ax.plot(
+                    [b for b, _ in pts],
+                    [r.get(prov, math.nan) / 1e3 for _, r in pts],
+                    style,
+                    marker="o",
+                    ms=3,
+                    color=colours[ctx],
+                    label=f"{prov} @{_ctx(ctx)}",
+                )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("requests in the step (TP8; DP8: ceil(batch / 8) per GPU)")
+        ax.set_ylabel("attention time per decode step (ms)")
+        ax.set_title(f"{model}, {g} token(s) per request", fontsize=10)
+        ax.legend(fontsize=6, ncol=3)
+    fig.suptitle(f"DSV4 attention per decode step, {env['gpu']}, {env['git_sha']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.model_step", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--out", type=Path, default=None, help="folder for the results")
+    p.add_argument("--part", choices=("decode", "prefill", "all"), default="all")
+    p.add_argument("--models", default=",".join(MODELS), help="comma-separated model_facts keys")
+    p.add_argument("--only", default="", help="comma-separated case-name substrings")
+    p.add_argument(
+        "--vllm-peer",
+        type=Path,
+        default=None,
+        help="vLLM's staged metadata kernels (python -m benchmarks.support.vllm_peer)",
+    )
+    p.add_argument("--rep-ms", type=int, default=60)
+    args = p.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    env = harness.environment(device)
+    env["mode"] = "gpu" if gpu else "cpu-smoke"
+    bw = harness.copy_bandwidth(device)
+    env["copy_bandwidth_gbps"] = f"{bw / 1e9:.1f}"
+    print(f"device {env['gpu']} torch {env['torch']} triton {env['triton']} sha {env['git_sha']}")
+    if not gpu:
+        print(
+            "CPU smoke run: a tiny four-layer model through Triton's interpreter; every path "
+            "is checked, no time is meaningful (FlashMLA: a torch reference stands in)."
+        )
+    parts = ("decode", "prefill") if args.part == "all" else (args.part,)
+    models = [m for m in args.models.split(",") if m]
+    only = [s for s in args.only.split(",") if s]
+    results, source = run(device, bw, args.rep_ms, parts, models, only, args.vllm_peer)
+    rows = _rows(results)
+    text = table(rows, not gpu)
+    head = (
+        f"{env['gpu']}; torch {env['torch']}; Triton {env['triton']}; git {env['git_sha']}; "
+        f"metadata kernels: {source}."
+    )
+    print(head + "\n\n" + text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        harness.write_jsonl(results, env, args.out / "results.jsonl")
+        (args.out / "model_step.json").write_text(
+            json.dumps({"env": env, "metadata": source, "rows": rows}, indent=1, sort_keys=True)
+            + "\n"
+        )
+        (args.out / "model_step.md").write_text(head + "\n\n" + text + "\n")
+        if gpu:
+            plot(rows, env, args.out / "model_step.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,298 @@
+"""One prefill chunk of a whole DSV4 model's attention: vLLM's path and the plugin's.
+
+A chunk is ``requests`` requests of ``query_len`` new tokens ending at ``context`` tokens
+(a 4,096- or 16,384-token chunk of one long prompt; at an 8K context a 16K-token step is
+two fresh 8K prompts), through every attention layer in vLLM's order.  Per layer:
+
+* **vLLM's path** (its ``_forward_prefill``): gather the layer's compressed entries and
+  its window region into the bf16 workspace (``dequantize_and_gather_k_cache``: ours
+  stands in for vLLM's CuTe-DSL gather, :mod:`.model_step_common`), build the combined
+  rows (``combine_topk_swa_indices``, vLLM's Triton kernel where staged), then FlashMLA's
+  sparse prefill on the query padded to 64 heads (128 above 64);
+* **the plugin's path**: one :class:`dsv4_attention.prefill.PrefillPlan` per step (the
+  rows a layer kind shares are built by its first layer; each C4A layer maps its own
+  top-k) and :func:`dsv4_attention.prefill.forward_prefill` on the real heads, for the
+  layer kinds the H200 table takes at these heads and this step
+  (:func:`dsv4_attention.policy.prefill_step_takes_ours`); vLLM's path above for the
+  others (with the plugin's combine, which replaces vLLM's on the H200).
+
+vLLM runs prefill attention eagerly (its piecewise CUDA graphs leave attention out), so
+the paths run eagerly here too, host work included.  Layers of a kind share the step's
+block tables and lengths (one KV-cache group) and have their own caches (the first
+layer's pages in another order: the same FP8 records at other addresses) and, for C4A,
+their own top-k (the first layer's entries rotated within each token's range).  Our
+window rows are built once per layer kind here; vLLM's two window groups would need two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .inputs_sparse_mla import AttnInputs, AttnShape, make_inputs
+from .model_step_common import SCALE, MetadataOps, StepModel, assert_close, sample_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillCell:
+    model: StepModel
+    requests: int
+    query_len: int
+    context: int
+
+    @property
+    def tokens(self) -> int:
+        return self.requests * self.query_len
+
+    @property
+    def name(self) -> str:
+        return f"{self.model.label}-{self.requests}x{self.query_len}@{self.context}"
+
+
+def chunk_cell(model: StepModel, chunk: int, context: int) -> PrefillCell:
+    """A ``chunk``-token step at ``context``: one request's chunk, or fresh prompts of
+    ``context`` tokens filling it where the chunk is longer than the context."""
+    if chunk <= context:
+        return PrefillCell(model, 1, chunk, context)
+    return PrefillCell(model, chunk // context, context, context)
+
+
+@dataclasses.dataclass
+class PrefillStep:
+    cell: PrefillCell
+    kinds: dict[str, AttnInputs]  # the first layer of each kind (tables, q, workspace)
+    layers: list[AttnInputs]  # every layer: its kind's inputs with its own caches / top-k
+
+
+def _rotated_topk(inp: AttnInputs, g: torch.Generator) -> torch.Tensor:
+    """Another layer's top-k: each token's entries shifted by a random offset modulo its
+    entry count (distinct entries stay distinct; -1 stays -1)."""
+    c = inp.index_case
+    local = c.topk_indices
+    T = local.shape[0]
+    q = torch.diff(c.query_start_loc.to(torch.int64))
+    req = torch.repeat_interleave(torch.arange(len(q), device=local.device), q)
+    start = torch.cumsum(q, 0) - q
+    pos = (
+        c.seq_lens.to(torch.int64)[req] - q[req] + torch.arange(T, device=local.device) - start[req]
+    )
+    n = ((pos + 1) // inp.shape.ratio).clamp(min=1).unsqueeze(1)
+    shift = torch.randint(0, 1 << 30, (T, 1), generator=g, device=local.device)
+    return torch.where(local >= 0, (local.to(torch.int64) + shift) % n, -1).to(torch.int32)
+
+
+def _other_pages(cache: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """The cache's pages in a random order, in a new allocation with the same page stride."""
+    perm = torch.randperm(cache.shape[0], generator=g, device=cache.device)
+    buf = torch.empty(cache.shape[0] * cache.stride(0), dtype=cache.dtype, device=cache.device)
+    view = buf.as_strided(cache.shape, cache.stride())
+    view.copy_(cache[perm])
+    return view
+
+
+def build_step(cell: PrefillCell, device: torch.device, seed: int) -> PrefillStep:
+    m = cell.model
+    g = torch.Generator(device=device).manual_seed(seed)
+    kinds: dict[str, AttnInputs] = {}
+    for n, kind in enumerate(dict.fromkeys(m.kinds)):
+        shape = AttnShape(
+            f"{kind}-{cell.name}",
+            kind,
+            cell.requests,
+            cell.query_len,
+            cell.context,
+            m.heads,
+            m.topk,
+        )
+        kinds[kind] = make_inputs(shape, device, seed + n)
+    layers = []
+    seen: set[str] = set()
+    for kind in m.kinds:
+        first = kinds[kind]
+        if kind not in seen:
+            seen.add(kind)
+            layers.append(first)
+            continue
+        case = first.index_case
+        if first.shape.topk_rows:
+            case = dataclasses.replace(case, topk_indices=_rotated_topk(first, g))
+        comp = None if first.comp_cache is None else _other_pages(first.comp_cache, g)
+        layers.append(
+            dataclasses.replace(
+                first, swa_cache=_other_pages(first.swa_cache, g), comp_cache=comp, index_case=case
+            )
+        )
+    return PrefillStep(cell, kinds, layers)
+
+
+def floor_bytes(step: PrefillStep) -> int:
+    """Per layer: the distinct keys' FP8 bytes and the real heads' query, output and lse."""
+    T, H = step.cell.tokens, step.cell.model.heads
+    total = 0
+    for inp in step.kinds.values():
+        from .model_step_common import unique_key_bytes
+
+        sets = [(inp.rows.window, inp.rows.window_lens)]
+        if inp.rows.comp is not None:
+            sets.append((inp.rows.comp, inp.rows.comp_lens))
+        per_layer = unique_key_bytes(*sets) + T * H * (1024 + 1024 + 4)
+        total += per_layer * sum(k == inp.shape.layer for k in step.cell.model.kinds)
+    return total
+
+
+def _gather_and_combine(inp: AttnInputs, combine: Callable[..., Any]) -> None:
+    """vLLM's per-layer workspace: the two gathers and the combined rows."""
+    c = inp.index_case
+    inp.build_workspace()
+    combine(
+        c.topk_indices if inp.shape.topk_rows else None,
+        c.query_start_loc,
+        c.seq_lens,
+        inp.gather_lens,
+        128,
+        inp.shape.ratio,
+        inp.topk_width,
+        inp.M,
+        inp.N,
+        out=(inp.combined, inp.combined_lens),
+        num_tokens=c.num_tokens,
+    )
+
+
+class _FlashMLA:
+    """FlashMLA's sparse prefill on the padded heads over a kind's workspace (one padded
+    query per kind, as vLLM's projection writes it); a torch reference on a CPU."""
+
+    def __init__(self, step: PrefillStep) -> None:
+        from .flashmla_provider import PaddedFlashMLA, load_sparse_fwd
+
+        fn, self.why = load_sparse_fwd() if _gpu(step) else (None, "no GPU")
+        self.padded = {}
+        if fn is not None:
+            for kind, inp in step.kinds.items():
+                self.padded[kind] = PaddedFlashMLA(
+                    inp.q, inp.workspace, inp.combined, inp.combined_lens, SCALE, inp.sink, fn=fn
+                )
+
+    def __call__(self, inp: AttnInputs) -> torch.Tensor:
+        if not self.padded:
+            from dsv4_kernels import reference as ref
+
+            return ref.sparse_mla_workspace(
+                inp.q, inp.workspace, inp.combined, inp.combined_lens, SCALE, attn_sink=inp.sink
+            )[0]
+        fm = self.padded[inp.shape.layer]
+        fm()
+        return fm.outputs()[0]
+
+
+def _gpu(step: PrefillStep) -> bool:
+    return next(iter(step.kinds.values())).q.is_cuda
+
+
+@dataclasses.dataclass
+class PrefillPath:
+    name: str
+    run: Callable[[], None]
+    outputs: Callable[[int], torch.Tensor]  # layer i's real heads after the last run
+    poison: Callable[[], None]
+    ours: tuple[str, ...]
+
+
+def takes_ours(step: PrefillStep) -> tuple[str, ...]:
+    """The layer kinds whose prefill the plugin runs as ours in this step on the H200."""
+    from types import SimpleNamespace
+
+    from dsv4_attention import policy
+    from dsv4_attention.tables import table_for
+
+    table = table_for("NVIDIA H200", (9, 0))
+    assert table is not None
+    m, cell = step.cell.model, step.cell
+    seq = [cell.context] * cell.requests
+    qlen = [cell.query_len] * cell.requests
+    ours = []
+    for kind in dict.fromkeys(m.kinds):
+        facts = SimpleNamespace(heads=m.heads, vllm_native=False, topk_rows=kind == "c4a")
+        mean = policy.c4a_mean_keys(seq, qlen, 128, m.topk) if kind == "c4a" else None
+        if policy.prefill_step_takes_ours(facts, table.prefill, policy.Switches(), mean):
+            ours.append(kind)
+    return tuple(ours)
+
+
+def vllm_path(
+    step: PrefillStep, ops: MetadataOps, name: str, ours: tuple[str, ...] = ()
+) -> PrefillPath:
+    """vLLM's ``_forward_prefill`` for every layer (``ours``: the plugin's path for those
+    kinds, with the plugin's combine for the rest)."""
+    import dsv4_kernels as dk
+    from dsv4_attention.prefill import PrefillPlan, forward_prefill
+
+    from .cases_prefill_layer import layer_kwargs
+
+    fm = _FlashMLA(step)
+    combine = dk.combine_topk_swa_indices if ours else ops.combine
+    first = next(iter(step.kinds.values())).index_case
+    dev = first.seq_lens.device
+    T, H = step.cell.tokens, step.cell.model.heads
+    fixed = {
+        i: torch.empty((T, H, 512), dtype=torch.bfloat16, device=dev)
+        for i, inp in enumerate(step.layers)
+        if inp.shape.layer in ours
+    }
+    lse = torch.empty((T, H), dtype=torch.float32, device=dev)
+    outs: list[torch.Tensor] = []
+
+    def run() -> None:
+        plan = PrefillPlan(first.query_start_loc, first.seq_lens, num_tokens=first.num_tokens)
+        outs.clear()
+        for i, inp in enumerate(step.layers):
+            if i in fixed:
+                forward_prefill(inp.q, plan, out=fixed[i], lse=lse, **layer_kwargs(inp))
+                outs.append(fixed[i])
+            else:
+                _gather_and_combine(inp, combine)
+                outs.append(fm(inp))
+
+    def poison() -> None:
+        for o in outs:
+            o.fill_(float("nan"))
+
+    return PrefillPath(name, run, lambda i: outs[i], poison, ours)
+
+
+def checker(step: PrefillStep, path: PrefillPath) -> Callable[[], None]:
+    """Every layer fully written; the first and last layer of each kind equal to the
+    float32 reference on sampled tokens."""
+    from .inputs_sparse_mla import reference_sample
+
+    T = step.cell.tokens
+    tokens = sample_tokens(T, next(iter(step.kinds.values())).q.device)
+    checked = sorted({i for k in step.kinds for i in _ends(step, k)})
+    want = {}
+    for i in checked:
+        inp = step.layers[i]
+        if inp.index_case is not step.kinds[inp.shape.layer].index_case:
+            inp = dataclasses.replace(inp, rows=inp.index_case.build())
+        want[i] = reference_sample(inp, tokens)[0]
+
+    def check() -> None:
+        for i in range(len(step.layers)):
+            assert not torch.isnan(path.outputs(i)[:T].float()).any(), (
+                f"{path.name} {step.cell.name}: layer {i} has unwritten (NaN) output"
+            )
+        for i in checked:
+            kind = step.layers[i].shape.layer
+            assert_close(
+                path.outputs(i)[tokens], want[i], f"{path.name} {step.cell.name} layer {i} ({kind})"
+            )
+
+    return check
+
+
+def _ends(step: PrefillStep, kind: str) -> tuple[int, int]:
+    idx = [i for i, k in enumerate(step.cell.model.kinds) if k == kind]
+    return idx[0], idx[-1]
