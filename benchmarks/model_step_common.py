@@ -49,12 +49,12 @@ class StepModel:
     def label(self) -> str:
         return f"{self.name}-{self.layout}"
 
-    def first_of_kind(self) -> dict[str, int]:
-        """Layer index of the first layer of each kind (the layers the checks sample)."""
-        first: dict[str, int] = {}
+    def checked_layers(self) -> list[int]:
+        """The first and the last layer of each kind (the layers the checks compare)."""
+        ends: dict[str, list[int]] = {}
         for i, kind in enumerate(self.kinds):
-            first.setdefault(kind, i)
-        return first
+            ends.setdefault(kind, [i, i])[1] = i
+        return sorted({i for pair in ends.values() for i in pair})
 
 
 def step_model(name: str, layout: str) -> StepModel:

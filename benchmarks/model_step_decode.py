@@ -187,6 +187,8 @@ class _FlashMLA:
 
         self.step = step
         self.fns, self.why = load_decode() if step.q.is_cuda else (None, "no GPU")
+        if step.q.is_cuda and self.fns is None:
+            raise RuntimeError(f"vLLM's decode path needs FlashMLA: {self.why}")
         self.metas: dict[str, Any] = {}
 
     def new_step(self) -> None:
@@ -372,9 +374,9 @@ def reference_outputs(step: DecodeStep, layers: list[int], tokens: torch.Tensor)
 
 def checker(step: DecodeStep, path: DecodePath) -> Callable[[], None]:
     """A check of ``path``'s last run: every layer fully written (no NaN after poisoning),
-    the first layer of each kind equal to the reference on sampled tokens."""
+    the first and last layer of each kind equal to the reference on sampled tokens."""
     tokens = sample_tokens(step.cell.tokens, step.q.device)
-    layers = sorted(step.cell.model.first_of_kind().values())
+    layers = step.cell.model.checked_layers()
     want = reference_outputs(step, layers, tokens)
 
     def check() -> None:

@@ -170,6 +170,8 @@ class _FlashMLA:
         from .flashmla_provider import PaddedFlashMLA, load_sparse_fwd
 
         fn, self.why = load_sparse_fwd() if _gpu(step) else (None, "no GPU")
+        if _gpu(step) and fn is None:
+            raise RuntimeError(f"vLLM's prefill path needs FlashMLA: {self.why}")
         self.padded = {}
         if fn is not None:
             for kind, inp in step.kinds.items():
@@ -271,7 +273,7 @@ def checker(step: PrefillStep, path: PrefillPath) -> Callable[[], None]:
 
     T = step.cell.tokens
     tokens = sample_tokens(T, next(iter(step.kinds.values())).q.device)
-    checked = sorted({i for k in step.kinds for i in _ends(step, k)})
+    checked = step.cell.model.checked_layers()
     want = {}
     for i in checked:
         inp = step.layers[i]
@@ -291,8 +293,3 @@ def checker(step: PrefillStep, path: PrefillPath) -> Callable[[], None]:
             )
 
     return check
-
-
-def _ends(step: PrefillStep, kind: str) -> tuple[int, int]:
-    idx = [i for i, k in enumerate(step.cell.model.kinds) if k == kind]
-    return idx[0], idx[-1]

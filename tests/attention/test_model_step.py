@@ -1,0 +1,121 @@
+"""The model-step benchmark (``benchmarks/model_step*``) computes what it times: every
+layer of a whole (tiny) model's decode step and prefill chunk, through vLLM's path (a
+torch stand-in for FlashMLA on a CPU) and the plugin's (our kernels through Triton's
+interpreter), equals the float64 oracle; a wrong or unwritten layer fails its check; the
+published models' layer lists give TP8's and DP8's heads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from benchmarks import model_step as ms
+from benchmarks import model_step_decode as md
+from benchmarks import model_step_prefill as mp
+from benchmarks.harness import Result
+from benchmarks.model_step_common import metadata_ops, step_model, tiny_model
+
+from dsv4_kernels.testing.common import fresh_seed
+
+from ._model_step_oracle import check, decode_oracle, prefill_oracle
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def ops() -> object:
+    return metadata_ops(None)
+
+
+@pytest.mark.parametrize(("requests", "per_request"), [(1, 1), (3, 2)])
+def test_decode_step_every_layer_equals_the_oracle(ops: object, requests: int,
+                                                   per_request: int) -> None:  # fmt: skip
+    cell = md.DecodeCell(tiny_model(8), requests, per_request, 300)
+    step = md.build_step(cell, CPU, fresh_seed())
+    tokens = torch.arange(cell.tokens)
+    paths = [md.vllm_path(step, ops, "vllm"), md.plugin_path(step, ops, "ours")]
+    assert paths[1].ours, "the H200 table takes the tiny model's decode for ours"
+    for path in paths:
+        path.poison()
+        path.run()
+        for i, kind in enumerate(cell.model.kinds):
+            check(path.outputs(i), decode_oracle(step, i, tokens), f"{path.name} layer {i} {kind}")
+
+
+def test_decode_layers_read_their_own_keys(ops: object) -> None:
+    cell = md.DecodeCell(tiny_model(8), 2, 1, 300)
+    step = md.build_step(cell, CPU, fresh_seed())
+    c4a = [lay for lay in step.layers if lay.kind == "c4a"]
+    assert len(c4a) == 2 and not torch.equal(c4a[0].comp_indices, c4a[1].comp_indices)
+    assert not torch.equal(step.layers[0].swa_indices, step.layers[1].swa_indices)
+
+
+def test_prefill_step_every_layer_equals_the_oracle(ops: object) -> None:
+    cell = mp.PrefillCell(tiny_model(8), 2, 5, 300)
+    step = mp.build_step(cell, CPU, fresh_seed())
+    tokens = torch.arange(cell.tokens)
+    ours = mp.takes_ours(step)
+    assert set(ours) == {"swa", "c4a", "c128a"}
+    for path in (mp.vllm_path(step, ops, "vllm"), mp.vllm_path(step, ops, "ours", ours)):
+        path.poison()
+        path.run()
+        for i, kind in enumerate(cell.model.kinds):
+            check(path.outputs(i), prefill_oracle(step, i, tokens), f"{path.name} layer {i} {kind}")
+
+
+def test_prefill_layers_of_a_kind_differ(ops: object) -> None:
+    step = mp.build_step(mp.PrefillCell(tiny_model(8), 1, 6, 300), CPU, fresh_seed())
+    a, b = (inp for inp in step.layers if inp.shape.layer == "c4a")
+    assert a.comp_cache.data_ptr() != b.comp_cache.data_ptr()
+    assert not torch.equal(a.index_case.topk_indices, b.index_case.topk_indices)
+    assert a.index_case.comp_block_table is b.index_case.comp_block_table  # one KV-cache group
+
+
+@pytest.mark.parametrize("part", ["decode", "prefill"])
+def test_the_check_catches_a_wrong_layer(ops: object, part: str) -> None:
+    if part == "decode":
+        step = md.build_step(md.DecodeCell(tiny_model(8), 2, 1, 300), CPU, fresh_seed())
+        path, make_check = md.plugin_path(step, ops, "ours"), md.checker
+    else:
+        step = mp.build_step(mp.PrefillCell(tiny_model(8), 1, 6, 300), CPU, fresh_seed())
+        path, make_check = mp.vllm_path(step, ops, "ours", mp.takes_ours(step)), mp.checker
+    check_fn = make_check(step, path)
+    path.run()
+    check_fn()
+    last = len(step.cell.model.kinds) - 1  # the last C4A layer: checked (first and last per kind)
+    path.outputs(last).mul_(1.5)
+    with pytest.raises(AssertionError):
+        check_fn()
+    path.outputs(last).fill_(float("nan"))
+    with pytest.raises(AssertionError, match="unwritten"):
+        check_fn()
+
+
+def test_published_models_at_tp8_and_dp8() -> None:
+    flash, pro = step_model("v4-flash", "tp8"), step_model("v4-pro", "tp8")
+    assert (len(flash.kinds), flash.heads, flash.padded_heads, flash.topk) == (43, 8, 64, 512)
+    assert (len(pro.kinds), pro.heads, pro.padded_heads, pro.topk) == (61, 16, 64, 1024)
+    assert [flash.kinds.count(k) for k in ("swa", "c4a", "c128a")] == [2, 21, 20]
+    assert [pro.kinds.count(k) for k in ("swa", "c4a", "c128a")] == [0, 30, 31]
+    assert step_model("v4-flash", "dp8").heads == 64 and step_model("v4-pro", "dp8").heads == 128
+    assert step_model("v4-pro", "dp8").padded_heads == 128
+    with pytest.raises(ValueError, match="layout"):
+        step_model("v4-flash", "tp4")
+
+
+def test_rows_give_the_saving_per_step() -> None:
+    def result(provider: str, us: float) -> Result:
+        params = {"model": "m", "kinds": {"c4a": 1}, "requests": 8, "per_request": 1,
+                  "context": 8192, "dp_requests": 1, "ours_kinds": ["c4a"]}  # fmt: skip
+        return Result(ms.DECODE, provider, "m-b8", 8, us, us, us, 5.0, 100, params)
+
+    vllm, ours, dp = 2.0 + fresh_seed() % 100, 1.0 + fresh_seed() % 50, 3.0
+    rows = ms._rows([result(ms.VLLM, vllm), result(ms.OURS, ours), result(ms.DP8, dp)])
+    assert len(rows) == 1
+    r = rows[0]
+    assert math.isclose(r["saving_us"], vllm - ours)
+    assert math.isclose(r["saving_pct"], 100 * (vllm - ours) / vllm)
+    assert math.isclose(r["speedup"], vllm / ours) and r[ms.DP8] == dp
+    text = ms.table(rows, smoke=False)
+    assert f"{vllm - ours:.1f}" in text and "nan" not in text
