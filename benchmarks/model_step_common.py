@@ -115,8 +115,8 @@ def metadata_ops(peer: Path | None) -> MetadataOps:
 
 def capture(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
     """``step`` as one CUDA graph (run once on a side stream first: compile, warm up), or
-    eager on a CPU.  The step allocates what it needs itself, so the graph's pool keeps
-    it alive and every replay writes the same tensors."""
+    eager on a CPU.  What the step allocates while captured lives in the graph's pool, and
+    every replay writes the same tensors."""
     if device.type != "cuda":
         return step
     stream = torch.cuda.Stream()
@@ -133,7 +133,11 @@ def capture(step: Callable[[], None], device: torch.device) -> Callable[[], None
     def replay() -> None:
         graph.replay()
 
-    replay.graph = graph  # type: ignore[attr-defined]  # keep the graph alive with the callable
+    # the graph and everything the step's closure holds (scratch, outputs, plans) live as
+    # long as the callable: a buffer freed after capture would be reused by the next
+    # allocation while the graph still reads and writes it
+    replay.graph = graph  # type: ignore[attr-defined]
+    replay.step = step  # type: ignore[attr-defined]
     return replay
 
 
@@ -143,11 +147,19 @@ def sample_tokens(num_tokens: int, device: torch.device, most: int = 64) -> torc
     return torch.unique(torch.cat([idx, torch.tensor([num_tokens - 1], device=device)]))
 
 
+def value_tolerance(want: torch.Tensor) -> float:
+    """Absolute tolerance of a bf16 attention output: bf16 rounding of the probabilities and
+    of the output is relative to the largest value the output can mix (values of ~10 give
+    0.06 steps), so the tolerance grows with the largest reference element."""
+    return 3e-2 + 8e-3 * float(want.abs().max()) if want.numel() else 3e-2
+
+
 def assert_close(out: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """bf16 attention output (real heads) against the float32 reference: no NaN (poisoned
-    outputs were written), then within bf16 tolerance."""
+    outputs were written), then within bf16 tolerance (:func:`value_tolerance`)."""
     assert not torch.isnan(out.float()).any(), f"{what}: NaN (unwritten) output"
-    torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2, msg=what)
+    atol = value_tolerance(want)
+    torch.testing.assert_close(out.float(), want.float(), atol=atol, rtol=3e-2, msg=what)
 
 
 def unique_key_bytes(*index_sets: tuple[torch.Tensor, torch.Tensor | None]) -> int:

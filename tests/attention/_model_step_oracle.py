@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from benchmarks.model_step_common import value_tolerance
 from tests.kernels._decode_oracle import oracle
 
 from dsv4_kernels.reference.sparse_mla import dequantize_slots
 
 SCALE = 512**-0.5
-OUT_TOL = dict(atol=2e-2, rtol=2e-2)
 
 
 def values(cache: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -70,4 +70,5 @@ def prefill_oracle(step: Any, i: int, tokens: torch.Tensor) -> torch.Tensor:
 
 def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert not torch.isnan(got.float()).any(), f"{what}: unwritten (NaN) output"
-    torch.testing.assert_close(got.double(), want, **OUT_TOL, msg=what)
+    atol = value_tolerance(want)  # grows with the values the output mixes (bf16 steps)
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=2e-2, msg=what)
