@@ -183,9 +183,11 @@ def run(
     only: Sequence[str],
     peer: Path | None,
     log: Callable[[str], None] = print,
+    done: Callable[[list[Result], str], None] | None = None,
 ) -> tuple[list[Result], str]:
     """Build, check and time every case, one at a time (each case's graphs and buffers
-    are freed before the next); the results and where the metadata kernels came from."""
+    are freed before the next); the results and where the metadata kernels came from.
+    ``done`` gets the results so far after every case (the run writes them as it goes)."""
     ops = metadata_ops(peer)
     log(f"model step: metadata kernels: {ops.source}")
     todo: list[tuple[Any, Callable[[], BenchCase]]] = []
@@ -198,6 +200,8 @@ def run(
         case = make()
         results += harness.run_cases([case], device, bandwidth, rep_ms, log)
         del case
+        if done is not None:
+            done(results, ops.source)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return results, ops.source
@@ -362,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         help="vLLM's staged metadata kernels (python -m benchmarks.support.vllm_peer)",
     )
     p.add_argument("--rep-ms", type=int, default=60)
+    p.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="render the tables and plot of earlier runs' results.jsonl files",
+    )
     args = p.parse_args(argv)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
@@ -375,10 +386,42 @@ def main(argv: list[str] | None = None) -> int:
             "CPU smoke run: a tiny four-layer model through Triton's interpreter; every path "
             "is checked, no time is meaningful (FlashMLA: a torch reference stands in)."
         )
-    parts = ("decode", "prefill") if args.part == "all" else (args.part,)
-    models = [m for m in args.models.split(",") if m]
-    only = [s for s in args.only.split(",") if s]
-    results, source = run(device, bw, args.rep_ms, parts, models, only, args.vllm_peer)
+    if args.merge:
+        results, env, source = read_results(args.merge)
+    else:
+        parts = ("decode", "prefill") if args.part == "all" else (args.part,)
+        models = [m for m in args.models.split(",") if m]
+        only = [s for s in args.only.split(",") if s]
+
+        def done(so_far: list[Result], source: str) -> None:
+            if args.out is not None:
+                args.out.mkdir(parents=True, exist_ok=True)
+                harness.write_jsonl(so_far, {**env, "metadata": source}, args.out / "results.jsonl")
+
+        results, source = run(device, bw, args.rep_ms, parts, models, only, args.vllm_peer,
+                              done=done)  # fmt: skip
+    write(results, env, source, args.out)
+    return 0
+
+
+def read_results(paths: Sequence[Path]) -> tuple[list[Result], dict[str, str], str]:
+    """Results, environment and metadata source of earlier runs' ``results.jsonl`` files."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(Result)}
+    results, env, source = [], {}, ""
+    for path in paths:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            results.append(Result(**{k: row[k] for k in names}))
+            env = {k: str(v) for k, v in row.items() if k not in names}
+            source = env.pop("metadata", source)
+    return results, env, source
+
+
+def write(results: Sequence[Result], env: dict[str, str], source: str, out: Path | None) -> None:
+    """Print the tables; with ``out``, write the JSON rows, Markdown and (GPU) plot."""
+    gpu = env.get("mode") == "gpu"
     rows = _rows(results)
     text = table(rows, not gpu)
     head = (
@@ -386,17 +429,17 @@ def main(argv: list[str] | None = None) -> int:
         f"metadata kernels: {source}."
     )
     print(head + "\n\n" + text)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        harness.write_jsonl(results, env, args.out / "results.jsonl")
-        (args.out / "model_step.json").write_text(
-            json.dumps({"env": env, "metadata": source, "rows": rows}, indent=1, sort_keys=True)
-            + "\n"
-        )
-        (args.out / "model_step.md").write_text(head + "\n\n" + text + "\n")
-        if gpu:
-            plot(rows, env, args.out / "model_step.png")
-    return 0
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    if not (out / "results.jsonl").exists():
+        harness.write_jsonl(results, {**env, "metadata": source}, out / "results.jsonl")
+    (out / "model_step.json").write_text(
+        json.dumps({"env": env, "metadata": source, "rows": rows}, indent=1, sort_keys=True) + "\n"
+    )
+    (out / "model_step.md").write_text(head + "\n\n" + text + "\n")
+    if gpu:
+        plot(rows, env, out / "model_step.png")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -65,6 +64,10 @@ class PrefillStep:
     cell: PrefillCell
     kinds: dict[str, AttnInputs]  # the first layer of each kind (tables, q, workspace)
     layers: list[AttnInputs]  # every layer: its kind's inputs with its own caches / top-k
+    # what vLLM's combine gets as ``topk_indices`` where the layer has no top-k: C128A's
+    # request-local rows (``c128a_prefill_topk_indices``, built once per step by vLLM's
+    # metadata builder), the indexer's buffer for SWA-only layers (read for 0 columns)
+    vllm_rows: dict[str, torch.Tensor]
 
 
 def _rotated_topk(inp: AttnInputs, g: torch.Generator) -> torch.Tensor:
@@ -125,7 +128,23 @@ def build_step(cell: PrefillCell, device: torch.device, seed: int) -> PrefillSte
                 first, swa_cache=_other_pages(first.swa_cache, g), comp_cache=comp, index_case=case
             )
         )
-    return PrefillStep(cell, kinds, layers)
+    return PrefillStep(cell, kinds, layers, {k: _vllm_rows(inp) for k, inp in kinds.items()})
+
+
+def _vllm_rows(inp: AttnInputs) -> torch.Tensor:
+    c = inp.index_case
+    if inp.shape.topk_rows:
+        return c.topk_indices
+    T, dev = c.num_tokens, c.seq_lens.device
+    if inp.comp_cache is None:
+        return torch.full((T, max(inp.shape.topk, 1)), -1, dtype=torch.int32, device=dev)
+    q = torch.diff(c.query_start_loc.to(torch.int64))
+    req = torch.repeat_interleave(torch.arange(len(q), device=dev), q)
+    start = torch.cumsum(q, 0) - q
+    pos = c.seq_lens.to(torch.int64)[req] - q[req] + torch.arange(T, device=dev) - start[req]
+    j = torch.arange(c.topk, device=dev).unsqueeze(0)
+    n = ((pos + 1) // inp.shape.ratio).unsqueeze(1)
+    return torch.where(j < n, j, -1).to(torch.int32)
 
 
 def floor_bytes(step: PrefillStep) -> int:
@@ -143,23 +162,21 @@ def floor_bytes(step: PrefillStep) -> int:
     return total
 
 
-def _gather_and_combine(inp: AttnInputs, combine: Callable[..., Any]) -> None:
-    """vLLM's per-layer workspace: the two gathers and the combined rows."""
+def _gather_and_combine(inp: AttnInputs, rows: torch.Tensor, ops: MetadataOps | None) -> None:
+    """vLLM's per-layer workspace: the two gathers and the combined rows, through vLLM's
+    combine (``ops``) with the arguments vLLM passes, or the plugin's (``ops`` None)."""
     c = inp.index_case
     inp.build_workspace()
-    combine(
-        c.topk_indices if inp.shape.topk_rows else None,
-        c.query_start_loc,
-        c.seq_lens,
-        inp.gather_lens,
-        128,
-        inp.shape.ratio,
-        inp.topk_width,
-        inp.M,
-        inp.N,
-        out=(inp.combined, inp.combined_lens),
-        num_tokens=c.num_tokens,
-    )
+    args = (c.query_start_loc, c.seq_lens, inp.gather_lens, 128, inp.shape.ratio,
+            inp.topk_width, inp.M, inp.N)  # fmt: skip
+    out = (inp.combined, inp.combined_lens)
+    if ops is not None:  # vLLM's: always a top-k tensor, the chunk's tokens from ``out``
+        ops.combine(c.topk_indices if inp.shape.topk_rows else rows, *args, out=out)
+    else:
+        import dsv4_kernels as dk
+
+        topk = c.topk_indices if inp.shape.topk_rows else None
+        dk.combine_topk_swa_indices(topk, *args, out=out, num_tokens=c.num_tokens)
 
 
 class _FlashMLA:
@@ -230,13 +247,12 @@ def vllm_path(
 ) -> PrefillPath:
     """vLLM's ``_forward_prefill`` for every layer (``ours``: the plugin's path for those
     kinds, with the plugin's combine for the rest)."""
-    import dsv4_kernels as dk
     from dsv4_attention.prefill import PrefillPlan, forward_prefill
 
     from .cases_prefill_layer import layer_kwargs
 
     fm = _FlashMLA(step)
-    combine = dk.combine_topk_swa_indices if ours else ops.combine
+    vllm_ops = None if ours else ops  # the plugin replaces vLLM's combine on the H200
     first = next(iter(step.kinds.values())).index_case
     dev = first.seq_lens.device
     T, H = step.cell.tokens, step.cell.model.heads
@@ -256,7 +272,7 @@ def vllm_path(
                 forward_prefill(inp.q, plan, out=fixed[i], lse=lse, **layer_kwargs(inp))
                 outs.append(fixed[i])
             else:
-                _gather_and_combine(inp, combine)
+                _gather_and_combine(inp, step.vllm_rows[inp.shape.layer], vllm_ops)
                 outs.append(fm(inp))
 
     def poison() -> None:

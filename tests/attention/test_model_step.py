@@ -119,3 +119,27 @@ def test_rows_give_the_saving_per_step() -> None:
     assert math.isclose(r["speedup"], vllm / ours) and r[ms.DP8] == dp
     text = ms.table(rows, smoke=False)
     assert f"{vllm - ours:.1f}" in text and "nan" not in text
+
+
+@pytest.mark.vllm
+def test_vllm_path_with_vllms_own_metadata_kernels(tmp_path: object) -> None:
+    """vLLM's path through vLLM's own Triton top-k mapping and combine (staged from the
+    installed vLLM, run through Triton's interpreter) with the arguments vLLM passes them."""
+    from pathlib import Path
+
+    from benchmarks.support import vllm_peer
+
+    vllm_peer.stage(Path(str(tmp_path)))
+    vllm_ops = metadata_ops(Path(str(tmp_path)))
+    assert vllm_ops.source.startswith("vLLM "), vllm_ops.source
+    dstep = md.build_step(md.DecodeCell(tiny_model(8), 2, 2, 300), CPU, fresh_seed())
+    pstep = mp.build_step(mp.PrefillCell(tiny_model(8), 2, 5, 300), CPU, fresh_seed())
+    for step, path, oracle_fn in (
+        (dstep, md.vllm_path(dstep, vllm_ops, "vllm"), decode_oracle),
+        (pstep, mp.vllm_path(pstep, vllm_ops, "vllm"), prefill_oracle),
+    ):
+        tokens = torch.arange(step.cell.tokens)
+        path.poison()
+        path.run()
+        for i, kind in enumerate(step.cell.model.kinds):
+            check(path.outputs(i), oracle_fn(step, i, tokens), f"{path.name} layer {i} {kind}")
