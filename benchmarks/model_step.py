@@ -127,28 +127,27 @@ def prefill_cases(
         ]
     cells = [c for c in cells if not only or any(o in c[0].name for o in only)]
 
-    def build(tp_cell: Any, dp_cell: Any) -> BenchCase:
+    def build(tp_cell: Any, dp_cell: Any, dp: bool) -> BenchCase:
+        """The TP8 paths, or (``dp``) the DP8 step under the same case name: built and run
+        one after the other, so only one of them holds memory at a time."""
         from dsv4_kernels.testing.common import fresh_seed
 
         seed = fresh_seed()
-        step = mp.build_step(tp_cell, device, seed)
-        dp_step = mp.build_step(dp_cell, device, seed + 7)
-        paths = [
-            (mp.vllm_path(step, ops, VLLM), step),
-            (mp.vllm_path(step, ops, OURS, mp.takes_ours(step)), step),
-            (mp.vllm_path(dp_step, ops, DP8), dp_step),
-        ]
-        providers = [Provider(p.name, p.run, p.poison, mp.checker(s, p)) for p, s in paths]
-        return BenchCase(
-            PREFILL,
-            tp_cell.name,
-            tp_cell.tokens,
-            mp.floor_bytes(step),
-            providers,
-            _params(tp_cell, dp_cell, paths[1][0].ours, seed, gpu),
-        )
+        cell = dp_cell if dp else tp_cell
+        step = mp.build_step(cell, device, seed)
+        keep = cell.model.checked_layers()
+        if dp:
+            paths = [mp.vllm_path(step, ops, DP8, keep=keep)]
+        else:
+            ours = mp.takes_ours(step)
+            paths = [mp.vllm_path(step, ops, VLLM, keep=keep),
+                     mp.vllm_path(step, ops, OURS, ours, keep=keep)]  # fmt: skip
+        providers = [Provider(p.name, p.run, p.poison, mp.checker(step, p)) for p in paths]
+        floor = 0 if dp else mp.floor_bytes(step)
+        params = _params(tp_cell, dp_cell, paths[-1].ours, seed, gpu)
+        return BenchCase(PREFILL, tp_cell.name, tp_cell.tokens, floor, providers, params)
 
-    return [(c[0], lambda c=c: build(*c)) for c in cells]
+    return [(c[0], lambda c=c, dp=dp: build(*c, dp)) for c in cells for dp in (False, True)]
 
 
 def _params(tp: Any, dp: Any, ours: tuple[str, ...], seed: int, gpu: bool) -> dict[str, Any]:
