@@ -229,8 +229,18 @@ def _rows(results: Sequence[Result]) -> list[dict[str, Any]]:
         }
         if DP8 in provs:
             row[DP8] = provs[DP8].p50_us
+        if kernel == DECODE and row["model"] in _facts():
+            per_req = _facts()[row["model"]].kv_bytes_per_request(row["context"], mtp=True)
+            row["kv_gb_tp8"] = row["requests"] * per_req / 1e9  # every GPU holds every request
+            row["kv_gb_dp8"] = row["dp_requests"] * per_req / 1e9  # its own requests
         rows.append(row)
     return rows
+
+
+def _facts() -> dict[str, Any]:
+    from . import model_facts
+
+    return model_facts.load()
 
 
 def _kinds(p: dict[str, Any]) -> str:
@@ -258,8 +268,8 @@ def table(rows: Sequence[dict[str, Any]], smoke: bool) -> str:
             out += [
                 "| model | batch | tokens/req | context | vLLM TP8 us | ours TP8 us | saving us |"
                 " saving % | speed-up | floor us | DP8 per GPU (64/128 heads) us | faster "
-                "attention step |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|",
+                "attention step | KV GB per GPU: TP8 / DP8 |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for r in dec:
                 dp = r.get(DP8, math.nan)
@@ -269,7 +279,8 @@ def table(rows: Sequence[dict[str, Any]], smoke: bool) -> str:
                     f"{_ctx(r['context'])} | "
                     f"{r[VLLM]:.1f} | **{r[OURS]:.1f}** | {r['saving_us']:.1f} | "
                     f"{r['saving_pct']:.0f}% | {r['speedup']:.2f}x | {r['floor']:.1f} | {dp:.1f} | "
-                    f"{best} |"
+                    f"{best} | {r.get('kv_gb_tp8', math.nan):.2f} / "
+                    f"{r.get('kv_gb_dp8', math.nan):.2f} |"
                 )
         out.append("")
     if pre:
@@ -316,10 +327,12 @@ def plot(rows: Sequence[dict[str, Any]], env: dict[str, str], path: Path) -> boo
     panels = sorted({(r["model"], r["per_request"]) for r in dec})
     if not panels:
         return False
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    cols = min(2, len(panels))
+    rows_n = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6.5 * cols, 4.6 * rows_n), squeeze=False)
     styles = {VLLM: "--", OURS: "-", DP8: ":"}
     colours = dict(zip(CONTEXTS, ("#1f77b4", "#ff7f0e", "#2ca02c"), strict=True))
-    for ax, (model, g) in zip(axes[0], panels, strict=True):
+    for ax, (model, g) in zip(axes.flat, panels, strict=False):
         for ctx in CONTEXTS:
             pts = sorted(
                 (r["requests"], r)
@@ -340,7 +353,7 @@ def plot(rows: Sequence[dict[str, Any]], env: dict[str, str], path: Path) -> boo
                 )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("requests in the step (TP8; DP8: ceil(batch / 8) per GPU)")
+        ax.set_xlabel("batch: requests on the node (DP8: ceil(batch / 8) on each GPU)")
         ax.set_ylabel("attention time per decode step (ms)")
         ax.set_title(f"{model}, {g} token(s) per request", fontsize=10)
         ax.legend(fontsize=6, ncol=3)
@@ -373,6 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         help="render the tables and plot of earlier runs' results.jsonl files",
     )
     args = p.parse_args(argv)
+    if args.merge:
+        results, env, source = read_results(args.merge)
+        write(results, env, source, args.out)
+        return 0
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     env = harness.environment(device)
@@ -385,20 +402,16 @@ def main(argv: list[str] | None = None) -> int:
             "CPU smoke run: a tiny four-layer model through Triton's interpreter; every path "
             "is checked, no time is meaningful (FlashMLA: a torch reference stands in)."
         )
-    if args.merge:
-        results, env, source = read_results(args.merge)
-    else:
-        parts = ("decode", "prefill") if args.part == "all" else (args.part,)
-        models = [m for m in args.models.split(",") if m]
-        only = [s for s in args.only.split(",") if s]
+    parts = ("decode", "prefill") if args.part == "all" else (args.part,)
+    models = [m for m in args.models.split(",") if m]
+    only = [s for s in args.only.split(",") if s]
 
-        def done(so_far: list[Result], source: str) -> None:
-            if args.out is not None:
-                args.out.mkdir(parents=True, exist_ok=True)
-                harness.write_jsonl(so_far, {**env, "metadata": source}, args.out / "results.jsonl")
+    def done(so_far: list[Result], source: str) -> None:
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            harness.write_jsonl(so_far, {**env, "metadata": source}, args.out / "results.jsonl")
 
-        results, source = run(device, bw, args.rep_ms, parts, models, only, args.vllm_peer,
-                              done=done)  # fmt: skip
+    results, source = run(device, bw, args.rep_ms, parts, models, only, args.vllm_peer, done=done)
     write(results, env, source, args.out)
     return 0
 
@@ -408,13 +421,15 @@ def read_results(paths: Sequence[Path]) -> tuple[list[Result], dict[str, str], s
     import dataclasses
 
     names = {f.name for f in dataclasses.fields(Result)}
-    results, env, source = [], {}, ""
+    results, env, source, shas = [], {}, "", []
     for path in paths:
         for line in path.read_text().splitlines():
             row = json.loads(line)
             results.append(Result(**{k: row[k] for k in names}))
             env = {k: str(v) for k, v in row.items() if k not in names}
             source = env.pop("metadata", source)
+            shas.append(env["git_sha"])
+    env["git_sha"] = " and ".join(dict.fromkeys(shas))  # runs of several commits say so
     return results, env, source
 
 
@@ -431,8 +446,6 @@ def write(results: Sequence[Result], env: dict[str, str], source: str, out: Path
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
-    if not (out / "results.jsonl").exists():
-        harness.write_jsonl(results, {**env, "metadata": source}, out / "results.jsonl")
     (out / "model_step.json").write_text(
         json.dumps({"env": env, "metadata": source, "rows": rows}, indent=1, sort_keys=True) + "\n"
     )
