@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from .harness import FLOOR, BenchCase, Provider, Result
+from .flashmla_vllm import LABEL as VLLM_LABEL
+from .harness import FLOOR, BenchCase, Provider, Result, not_run, progress_line
 
 KERNEL = "sparse_mla_decode"
 OURS = "dsv4-kernels"
@@ -62,6 +63,12 @@ POOL_PAGES = {
     "c2a": (4096, 2048),
 }
 TOPK_LAYERS = ("c4a", "c1a", "c2a")
+# The peers, as a run names them when they do not run and as the summary's columns name
+# them, and why each did not run in this process (filled by build_cases: the summary
+# drops the columns of a peer without results and says why instead).
+PEERS = {FLASHMLA: "FlashMLA", VLLM_FLASHMLA: VLLM_LABEL}
+COLUMNS = {FLASHMLA: "FlashMLA", VLLM_FLASHMLA: "vLLM 0.33 FlashMLA"}
+NOT_RUN: dict[str, str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,13 +167,20 @@ def build_cases(
     from . import flashmla_vllm
     from .flashmla_decode import PaddedFlashMLADecode, load_decode
 
-    fns, why = load_decode()
-    if fns is None:
-        print(f"(FlashMLA decode provider unavailable: {why})")
-    vllm_fns, vllm_why = flashmla_vllm.load_decode()
-    if vllm_fns is None:
-        print(f"({VLLM_FLASHMLA} provider unavailable: {vllm_why})")
     gpu = device.type == "cuda"
+    fns, why = load_decode()
+    vllm_fns, vllm_why = flashmla_vllm.load_decode()
+    for peer, loaded, reason in ((FLASHMLA, fns, why), (VLLM_FLASHMLA, vllm_fns, vllm_why)):
+        if loaded is None:
+            NOT_RUN[peer] = reason
+        elif not gpu:
+            NOT_RUN[peer] = "its CUDA graphs need a CUDA GPU"
+        elif not flashmla:
+            NOT_RUN[peer] = "left out of this run (flashmla=False)"
+        else:
+            NOT_RUN.pop(peer, None)
+            continue
+        not_run(PEERS[peer], NOT_RUN[peer])
     rotate = ROTATE if gpu else 2
     context = CONTEXT if gpu else 700
     shapes = list(shapes if shapes is not None else (SMOKE if smoke else matrix()))
@@ -346,59 +360,97 @@ def _geomean(xs: Sequence[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def summarise(results: Sequence[Result]) -> tuple[str, dict[str, Any]]:
+def _times(x: float) -> str:
+    """A ratio as the tables print it; ``-`` where there is none (never ``nan``)."""
+    return "-" if math.isnan(x) else f"{x:.2f}x"
+
+
+def summarise(
+    results: Sequence[Result], smoke: bool = False, why_not: dict[str, str] | None = None
+) -> tuple[str, dict[str, Any]]:
     """Markdown table (us per call, ratios FlashMLA / ours for the source-built FlashMLA and
     vLLM 0.33's bundled one, floor) and the dispatch data: per layer and head count, the
     step sizes (one token per request) where ours was faster than the source-built
-    FlashMLA."""
+    FlashMLA.
+
+    A peer without results has no columns: one line under the table says why it did not
+    run (``why_not``, default :data:`NOT_RUN`); a case it refused shows ``-``.  A CPU smoke
+    run (``smoke``) has no floor columns (interpreter wall clock over a GPU floor means
+    nothing) and nothing bold; without FlashMLA results there is no dispatch table, and one
+    line says why.
+    """
+    why_not = NOT_RUN if why_not is None else why_not
     rows: dict[str, dict[str, Result]] = {}
     for r in results:
         if r.kernel == KERNEL:
             rows.setdefault(r.case, {})[r.provider] = r
-    lines = ["| case | layer | heads | tokens | per req | splits | ours us | FlashMLA us | "
-             "FlashMLA / ours | vLLM 0.33 FlashMLA us | vLLM 0.33 FlashMLA / ours | floor us | "
-             "ours / floor |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    ran = [peer for peer in PEERS if any(peer in row for row in rows.values())]
+    head = ["case", "layer", "heads", "tokens", "per req", "splits", "ours us"]
+    for peer in ran:
+        head += [f"{COLUMNS[peer]} us", f"{COLUMNS[peer]} / ours"]
+    if not smoke:
+        head += ["floor us", "ours / floor"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     groups: dict[tuple[str, int], dict[str, Any]] = {}
     for case, row in rows.items():
         ours = row.get(OURS)
         if ours is None:
             continue
         p = ours.params
+        cells = [case, p["layer"], p["heads"], p["tokens"], p["per_request"], p["splits"]]
+        cells.append(f"{ours.p50_us:.2f}" if smoke else f"**{ours.p50_us:.2f}**")
+        for peer in ran:
+            other = row.get(peer)
+            cells += (
+                [f"{other.p50_us:.2f}", f"{other.p50_us / ours.p50_us:.2f}x"]
+                if other
+                else ["-", "-"]
+            )
+        if not smoke:
+            floor = ours.floor_us
+            cells += [f"{floor:.2f}", f"{ours.p50_us / floor:.2f}x" if floor else "-"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         fm = row.get(FLASHMLA)
-        ratio = fm.p50_us / ours.p50_us if fm else float("nan")
-        vfm = row.get(VLLM_FLASHMLA)
-        v_ratio = vfm.p50_us / ours.p50_us if vfm else float("nan")
-        floor = ours.floor_us
-        lines.append(
-            f"| {case} | {p['layer']} | {p['heads']} | {p['tokens']} | {p['per_request']} | "
-            f"{p['splits']} | **{ours.p50_us:.2f}** | {fm.p50_us if fm else float('nan'):.2f} | "
-            f"{ratio:.2f}x | {vfm.p50_us if vfm else float('nan'):.2f} | {v_ratio:.2f}x | "
-            f"{floor:.2f} | {ours.p50_us / floor if floor else float('nan'):.2f}x |"
-        )
         if fm is None:
             continue
         grp = groups.setdefault((p["layer"], p["heads"]), {"steps": {}, "mtp": {}})
-        grp["mtp" if p["per_request"] > 1 else "steps"][p["tokens"]] = round(ratio, 3)
+        grp["mtp" if p["per_request"] > 1 else "steps"][p["tokens"]] = round(
+            fm.p50_us / ours.p50_us, 3
+        )
+    if len(lines) == 2:
+        return f"No {KERNEL} results to summarise.", {}
+    missing = [peer for peer in PEERS if peer not in ran]
+    if missing:
+        lines.append("")
+        lines += [
+            f"{PEERS[peer]}: not run ({why_not.get(peer, 'no results in this run')})"
+            for peer in missing
+        ]
+    table: dict[str, Any] = {}
+    if not groups:
+        lines += ["", f"No dispatch summary: it compares ours with {PEERS[FLASHMLA]} "
+                  f"({FLASHMLA}), which did not run."]  # fmt: skip
+        return "\n".join(lines), table
     lines += ["", "| layer | heads | geomean (1 token/req) | min | steps faster | "
               "1-32 tokens >= 1.3x | MTP geomean |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    table: dict[str, Any] = {}
     for (layer, heads), grp in sorted(groups.items()):
         steps = grp["steps"]
         ratios = list(steps.values())
         faster = sorted(t for t, x in steps.items() if x >= 1.0)
         small = [steps[t] for t in steps if t <= 32]
-        lines.append(
-            f"| {layer} | {heads} | {_geomean(ratios):.2f}x | {min(ratios):.2f}x | "
+        mtp = list(grp["mtp"].values())
+        lines.append(  # "-" where a group has no such steps (the DP rows have no MTP)
+            f"| {layer} | {heads} | {_times(_geomean(ratios))} | "
+            f"{_times(min(ratios, default=math.nan))} | "
             f"{len(faster)}/{len(steps)} | {sum(x >= 1.3 for x in small)}/{len(small)} | "
-            f"{_geomean(list(grp['mtp'].values())):.2f}x |"
+            f"{_times(_geomean(mtp))} |"
         )
         table[f"{layer}/{heads}"] = {"ratios": steps, "mtp_ratios": grp["mtp"]}
     return "\n".join(lines), table
 
 
-def write_outputs(results: Sequence[Result], out_dir: Path) -> str:
-    text, table = summarise(results)
+def write_outputs(results: Sequence[Result], out_dir: Path, smoke: bool = False) -> str:
+    text, table = summarise(results, smoke=smoke)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "decode.md").write_text(text + "\n")
     (out_dir / "decode_table.json").write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
@@ -415,18 +467,30 @@ def run(
     shapes_pool: Sequence[DecodeShape] | None = None,
 ) -> list[Result]:
     """Build, check and time the matrix one case at a time (each case's graphs and
-    buffers are freed before the next); results per call, with the launch floor."""
+    buffers are freed before the next); results per call, with the launch floor (on a
+    GPU; a CPU run has no graphs and no floor to speak of).
+
+    Each timed run replays ``calls_per_graph`` calls; the progress lines give the time
+    per call, as the tables do, once a case's providers are all checked and timed."""
     from . import harness
 
     gpu = device.type == "cuda"
     launch = launch_floor_us(device)
-    log(f"decode: one graph-replayed kernel {launch:.2f} us")
+    if gpu:
+        log(f"decode: one graph-replayed kernel {launch:.2f} us")
     pool = SMOKE if smoke or not gpu else list(shapes_pool or matrix())
     shapes = [s for s in pool if not only or any(o in s.name for o in only)]
     results: list[Result] = []
     for shape in shapes:
         cases = build_cases(device, smoke, [shape])
-        results += finalise(harness.run_cases(cases, device, bandwidth, rep_ms, log), launch)
+        timed = finalise(harness.run_cases(cases, device, bandwidth, rep_ms, lambda _: None),
+                         launch)  # fmt: skip
+        for r in timed:
+            if r.provider != FLOOR:
+                n = r.params.get("calls_per_graph", 1)
+                per = "graph replay" if r.params.get("graph") else "timed run"
+                log(progress_line(r, f"us per call ({n} calls per {per})"))
+        results += timed
         del cases
         if gpu:
             torch.cuda.empty_cache()
@@ -456,14 +520,14 @@ def main(argv: list[str] | None = None) -> int:
     bw = harness.copy_bandwidth(device)
     env.update(copy_bandwidth_gbps=f"{bw / 1e9:.1f}")
     print(f"device {env['gpu']} torch {env['torch']} triton {env['triton']} sha {env['git_sha']}"
-          f" bandwidth {bw / 1e9:.0f} GB/s")  # fmt: skip
+          + (f" bandwidth {bw / 1e9:.0f} GB/s" if gpu else ""))  # fmt: skip
     pool = matrix(V41_LAYERS, dp=False) if args.v41 else None
     results = run(device, not gpu, bw, args.rep_ms, only, shapes_pool=pool)
-    text = summarise(results)[0]
+    text = summarise(results, smoke=not gpu)[0]
     print(text)
     if args.out is not None:
         harness.write_jsonl(results, env, args.out / "results.jsonl")
-        write_outputs(results, args.out)
+        write_outputs(results, args.out, smoke=not gpu)
     return 0
 
 

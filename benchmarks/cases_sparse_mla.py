@@ -46,7 +46,7 @@ per valid key, its 4-byte index, q) and write (out, lse), over the copy
 bandwidth: keys shared by neighbouring tokens come from L2, so the floor can
 be beaten.  ``summarise_per_token`` prints ns per query token, useful TF/s
 (``4 * H * keys * 512`` FLOP per token: QK and PV over the real heads) and
-bytes/s against that byte count.
+bytes/s against that byte count (a CPU smoke run: ns per token only).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from .cases_metadata import fresh_seed
-from .harness import BenchCase, Provider, Result
+from .harness import FLOOR, BenchCase, Provider, Result, not_run
 from .inputs_sparse_mla import (  # re-exported: the sweeps, profiler and tests import them here
     MATRICES,
     MATRIX,
@@ -109,7 +109,7 @@ def flashmla_available() -> bool:
 
     fn, why = load_sparse_fwd()
     if fn is None:
-        print(f"(FlashMLA provider unavailable: {why})")
+        not_run("FlashMLA", why)
     return fn is not None
 
 
@@ -139,11 +139,11 @@ def flashmla_providers(
 
 def vllm_flashmla_available() -> bool:
     """Whether vLLM 0.33's bundled FlashMLA loads; says why not when it does not."""
-    from .flashmla_vllm import load_sparse_fwd
+    from .flashmla_vllm import LABEL, load_sparse_fwd
 
     fn, why = load_sparse_fwd()
     if fn is None:
-        print(f"({VLLM_FLASHMLA} provider unavailable: {why})")
+        not_run(LABEL, why)
     return fn is not None
 
 
@@ -305,25 +305,33 @@ def case_params(inp: AttnInputs) -> dict[str, Any]:
     }
 
 
-def summarise_per_token(results: Sequence[Result], kernel: str = KERNEL) -> str:
+def summarise_per_token(
+    results: Sequence[Result], kernel: str = KERNEL, smoke: bool = False
+) -> str:
     """Markdown: ns per query token, useful TF/s and bytes/s (per the floor's byte count) of
-    ``kernel``'s results (whose params carry ``heads``, ``keys_mean`` and ``keys_total``)."""
-    lines = [
-        "| case | heads | keys/token | provider | ns/token | useful TF/s | GB/s (floor bytes) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    ``kernel``'s results (whose params carry ``heads``, ``keys_mean`` and ``keys_total``).
+
+    A CPU smoke run (``smoke``) gets ns per token only: TF/s and bytes/s of interpreter
+    wall clock mean nothing, and neither does the floor, whose rows are left out.
+    """
+    head = "| case | heads | keys/token | provider | ns/token |"
+    if not smoke:
+        head += " useful TF/s | GB/s (floor bytes) |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
-        if r.kernel != kernel:
+        if r.kernel != kernel or (smoke and r.provider == FLOOR):
             continue
         p = r.params
         keys = p["keys_total"]
         flop = 4 * p["heads"] * keys * 512
         sec = r.p50_us * 1e-6
-        lines.append(
+        line = (
             f"| {r.case} | {p['heads']} | {p['keys_mean']:.0f} | {r.provider} | "
-            f"{r.p50_us * 1e3 / r.tokens:.1f} | {flop / sec / 1e12:.0f} | "
-            f"{r.floor_bytes / sec / 1e9:.0f} |"
+            f"{r.p50_us * 1e3 / r.tokens:.1f} |"
         )
+        if not smoke:
+            line += f" {flop / sec / 1e12:.0f} | {r.floor_bytes / sec / 1e9:.0f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -367,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         results += harness.run_cases(build_cases(device, not gpu, [shape]), device, bw, args.rep_ms)
         if gpu:
             torch.cuda.empty_cache()
-    table = summarise_per_token(results)
+    table = summarise_per_token(results, smoke=not gpu)
     print(table)
     if args.out is not None:
         harness.write_jsonl(results, env, args.out / "results.jsonl")

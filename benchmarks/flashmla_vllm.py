@@ -48,6 +48,7 @@ from .flashmla_provider import PaddedFlashMLA, padded_heads
 
 ENV = "DSV4_VLLM_FLASHMLA"
 RELEASE = "0.33.0"
+LABEL = "vLLM 0.33 bundled FlashMLA"  # how the benchmarks name it when it did not run
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_FOLDER = ROOT / ".vllm_flashmla"
 PACKAGE = "vllm_flashmla"  # the sub-folder holding the two files

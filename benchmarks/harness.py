@@ -189,6 +189,33 @@ def same_bytes_copy(floor_bytes: int, device: torch.device) -> Provider:
     return Provider(SAME_BYTES_COPY, lambda: dst.copy_(src), poison, check)
 
 
+_SAID: set[str] = set()
+# (peer, why) for every peer said not to run in this process, in the order said
+NOT_RUN: list[tuple[str, str]] = []
+
+
+def say_once(line: str, log: Callable[[str], None] = print) -> None:
+    """Log ``line`` the first time this process is asked to (a provider that cannot run
+    is said once per run, not once per case or per kernel)."""
+    if line not in _SAID:
+        _SAID.add(line)
+        log(line)
+
+
+def not_run(peer: str, why: str, log: Callable[[str], None] = print) -> None:
+    """Say once that ``peer`` did not run, and why: ``"FlashMLA: not run (why)"`` (and
+    remember it in :data:`NOT_RUN` for the run's table)."""
+    line = f"{peer}: not run ({why})"
+    if line not in _SAID:
+        NOT_RUN.append((peer, why))
+    say_once(line, log)
+
+
+def progress_line(r: Result, unit: str = "us") -> str:
+    """The line logged when a provider of a case has been checked and timed."""
+    return f"  {r.kernel:<40} {r.case:<22} {r.provider:<26} p50 {r.p50_us:9.2f} {unit}"
+
+
 def run_cases(
     cases: Sequence[BenchCase],
     device: torch.device,
@@ -212,21 +239,20 @@ def run_cases(
                     f"{case.kernel}/{case.case}: provider {prov.name} gave wrong output: {exc}"
                 ) from exc
             p20, p50, p80 = _time_us(prov.run, device, rep_ms)
-            results.append(
-                Result(
-                    case.kernel,
-                    prov.name,
-                    case.case,
-                    case.tokens,
-                    p20,
-                    p50,
-                    p80,
-                    floor_us,
-                    case.floor_bytes,
-                    case.params,
-                )
+            result = Result(
+                case.kernel,
+                prov.name,
+                case.case,
+                case.tokens,
+                p20,
+                p50,
+                p80,
+                floor_us,
+                case.floor_bytes,
+                case.params,
             )
-            log(f"  {case.kernel:<40} {case.case:<22} {prov.name:<26} p50 {p50:9.2f} us")
+            results.append(result)
+            log(progress_line(result))
         results.append(
             Result(
                 case.kernel,

@@ -79,10 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"device: {env['gpu']}  torch {env['torch']}  triton {env['triton']}  sha {env['git_sha']}"
     )
-    from .flashmla_vllm import status as vllm_flashmla_status
+    from . import flashmla_vllm
 
-    env["vllm_flashmla"] = vllm_flashmla_status()
-    print(f"vLLM 0.33 bundled FlashMLA: {env['vllm_flashmla']}")
+    env["vllm_flashmla"] = flashmla_vllm.status()
+    module, why = flashmla_vllm.load()
+    if module is None:  # said once, here: its providers say nothing more
+        harness.not_run(flashmla_vllm.LABEL, why)
+    else:
+        print(f"{flashmla_vllm.LABEL}: {env['vllm_flashmla']}")
 
     builders = {
         "combine_topk_swa_indices": lambda: build_combine_cases(device, smoke),
@@ -111,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
 
     bandwidth = harness.copy_bandwidth(device)
     env["copy_bandwidth_gbps"] = f"{bandwidth / 1e9:.1f}"
-    print(f"copy bandwidth (read+write): {bandwidth / 1e9:.1f} GB/s")
+    if gpu:  # on a CPU no floor is shown: the host's copy bandwidth would only confuse
+        print(f"copy bandwidth (read+write): {bandwidth / 1e9:.1f} GB/s")
     results = []
     for name, build in builders.items():
         if only and not any(s in name for s in only):
@@ -124,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         del cases
         if gpu:
             torch.cuda.empty_cache()
+    if harness.NOT_RUN:  # recorded with the results, and said once in the table
+        env["not_run"] = "; ".join(f"{peer} ({why})" for peer, why in harness.NOT_RUN)
     harness.write_jsonl(results, env, out_dir / "results.jsonl")
     table = write_table(
         results,
@@ -133,12 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     write_plot(results, env, out_dir / "plot.png")
     print(table)
-    print(summarise(results, smoke=smoke))
+    print(summarise(results, smoke=smoke, gpu=gpu))
     for kernel in ("sparse_mla", PREFILL_LAYER):
         if any(r.kernel == kernel for r in results):
-            print(sparse_mla_per_token(results, kernel))
+            print(f"\n### {kernel}: per query token\n")
+            print(sparse_mla_per_token(results, kernel, smoke=not gpu))
     if any(r.kernel == cases_decode.KERNEL for r in results):
-        print(cases_decode.write_outputs(results, out_dir))
+        print(f"\n### {cases_decode.KERNEL}: per call\n")
+        print(cases_decode.write_outputs(results, out_dir, smoke=not gpu))
     print(f"results in {out_dir}")
     return 0
 

@@ -52,19 +52,25 @@ def write_table(results: Sequence[Result], env: dict[str, str], path: Path, comm
     """Markdown: per kernel, p50 of every provider, our speed-ups and our distance to the floor.
 
     A CPU smoke run (``env["mode"] == "cpu-smoke"``) keeps its banner at the
-    top and shows the times only: nothing bold, no speed-ups, no floor ratios.
+    top and shows the times only: nothing bold, no speed-ups, no floor ratios, no
+    copy bandwidth, and a column only for a provider that ran for that kernel.
     """
     smoke = env.get("mode") == "cpu-smoke"
     lines = [SMOKE_BANNER, ""] if smoke else []
+    where = f"Device: {env['gpu']}" if smoke else f"GPU: {env['gpu']}"
+    bandwidth = "" if smoke else f"copy bandwidth {env.get('copy_bandwidth_gbps', '?')} GB/s; "
+    # the peers that did not run (``env["not_run"]``) have no columns: one line says why,
+    # and says it for vLLM's bundled FlashMLA too where its status would repeat it
+    not_run = [f"Not run: {env['not_run']}.", ""] if env.get("not_run") else []
+    bundled = env.get("vllm_flashmla", "")
+    if not bundled or (not_run and bundled.startswith("unavailable")):
+        bundled = ""
     lines += [
-        f"GPU: {env['gpu']}; torch {env['torch']}; Triton {env['triton']}; git {env['git_sha']}; "
-        f"copy bandwidth {env.get('copy_bandwidth_gbps', '?')} GB/s; mode {env.get('mode')}",
+        f"{where}; torch {env['torch']}; Triton {env['triton']}; git {env['git_sha']}; "
+        f"{bandwidth}mode {env.get('mode')}",
         "",
-        *(
-            [f"vLLM 0.33 bundled FlashMLA: {env['vllm_flashmla']}", ""]
-            if "vllm_flashmla" in env
-            else []
-        ),
+        *([f"vLLM 0.33 bundled FlashMLA: {bundled}", ""] if bundled else []),
+        *not_run,
         f"Command: `{command}`",
         "",
         "Times are medians in microseconds (GPU: triton.testing.do_bench; CPU smoke: wall clock);"
@@ -77,15 +83,15 @@ def write_table(results: Sequence[Result], env: dict[str, str], path: Path, comm
             dict.fromkeys(p for row in cases.values() for p in row if p not in (ours_name, FLOOR))
         )
         head = ["case", "tokens", *providers]
-        if smoke:
-            head.append(ours_name)
+        if smoke:  # a column per provider that ran for this kernel (ours too)
+            ours_ran = any(ours_name in row for row in cases.values())
+            timed = [*providers, *([ours_name] if ours_ran else [])]
+            head = ["case", "tokens", *timed]
             lines += [f"### {kernel}", "", "| " + " | ".join(head) + " |"]
             lines.append("|" + "---|" * len(head))
             for case, row in cases.items():
                 cells = [case, str(next(iter(row.values())).tokens)]
-                cells += [
-                    f"{row[p].p50_us:.2f}" if p in row else "-" for p in [*providers, ours_name]
-                ]
+                cells += [f"{row[p].p50_us:.2f}" if p in row else "-" for p in timed]
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
             continue
@@ -175,11 +181,17 @@ def _floor_target(label: str, row: dict[str, Result], limit: float) -> str:
     return line
 
 
-def summarise(results: Sequence[Result], smoke: bool) -> str:
+def summarise(results: Sequence[Result], smoke: bool, gpu: bool = False) -> str:
     """The issue targets, each with the number seen in this run (GPU runs only).
 
-    A CPU smoke run's times are interpreter wall clock: no verdict is printed.
+    A CPU smoke run's times are interpreter wall clock: no verdict is printed; nor for
+    ``--smoke`` on a GPU (``gpu``), whose tiny shapes are none of the targets' cases.
     """
+    if smoke and gpu:
+        return (
+            "Targets: not evaluated (--smoke: the small matrix holds none of the targets' "
+            "cases; run without --smoke for the targets)."
+        )
     if smoke:
         return (
             "Targets: not evaluated (CPU smoke run: interpreter wall-clock times say nothing "

@@ -61,6 +61,9 @@ def test_cpu_smoke_summary_gives_no_verdicts() -> None:
     assert "[MET" not in smoke and "[MISS" not in smoke and "not evaluated" in smoke
     gpu = report.summarise(RESULTS, smoke=False)
     assert "[MET" in gpu or "[MISS" in gpu  # the same results on a GPU run do get verdicts
+    # --smoke on a GPU: no verdict either, and no claim that it ran on a CPU
+    small = report.summarise(RESULTS, smoke=True, gpu=True)
+    assert "not evaluated" in small and "CPU" not in small and "[M" not in small
 
 
 def test_each_provider_has_one_colour_in_every_panel() -> None:
@@ -72,3 +75,16 @@ def test_each_provider_has_one_colour_in_every_panel() -> None:
     assert (
         report.provider_colours(list(reversed(RESULTS)))["dsv4-kernels"] == colours["dsv4-kernels"]
     )
+
+
+def test_a_peer_that_cannot_run_is_said_once_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every case and every kernel asks whether FlashMLA loads; the run says why not once."""
+    monkeypatch.setattr(harness, "_SAID", set())
+    said: list[str] = []
+    for _ in range(4):
+        harness.not_run("FlashMLA", "FlashMLA needs a CUDA GPU", said.append)
+    harness.not_run("FlashMLA", "FlashMLA is not built at /tmp/fmla", said.append)
+    assert said == [
+        "FlashMLA: not run (FlashMLA needs a CUDA GPU)",
+        "FlashMLA: not run (FlashMLA is not built at /tmp/fmla)",  # another reason is news
+    ]
