@@ -8,7 +8,11 @@
 #      or set DSV4_VLLM_FLASHMLA), running each of its ops once;
 #   2. runs the README's GPU test command (log: $OUT/gpu-tests.log);
 #   3. runs the full kernel benchmark into $OUT (results.jsonl, table.md,
-#      plot.png; log: $OUT/bench.log).
+#      plot.png; log: $OUT/bench.log);
+#   4. runs the whole-model step benchmark into $OUT/model_step (vLLM's own metadata
+#      kernels where the tree carries .vllm_peer, staged by
+#      python3 -m benchmarks.support.vllm_peer where vLLM is installed; log:
+#      $OUT/model_step.log).
 # Everything is printed as it runs.  Usage, from anywhere in the checkout:
 #   OUT=results/h200 DSV4_GIT_SHA=<sha> bash benchmarks/gpu_session.sh
 # ($OUT defaults to results/; set DSV4_GIT_SHA when the tree is a copy without .git.)
@@ -42,6 +46,12 @@ echo "== benchmark: python3 -m benchmarks.kernels --out $OUT"
 PYTHONPATH="$SRC:." python3 -m benchmarks.kernels --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
-echo "== exit codes: FlashMLA build $build_rc, GPU tests $tests_rc, benchmark $bench_rc"
+peer=()
+[ -d .vllm_peer ] && peer=(--vllm-peer .vllm_peer)
+echo "== model step: python3 -m benchmarks.model_step ${peer[*]} --out $OUT/model_step"
+PYTHONPATH="$SRC:." python3 -m benchmarks.model_step "${peer[@]}" --out "$OUT/model_step" 2>&1 | tee "$OUT/model_step.log"
+step_rc=${PIPESTATUS[0]}
+
+echo "== exit codes: FlashMLA build $build_rc, GPU tests $tests_rc, benchmark $bench_rc, model step $step_rc"
 ls -l "$OUT"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$step_rc" -eq 0 ]
