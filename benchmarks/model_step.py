@@ -278,8 +278,7 @@ def table(rows: Sequence[dict[str, Any]], smoke: bool) -> str:
                     f"{_ctx(r['context'])} | "
                     f"{r[VLLM]:.1f} | **{r[OURS]:.1f}** | {r['saving_us']:.1f} | "
                     f"{r['saving_pct']:.0f}% | {r['speedup']:.2f}x | {r['floor']:.1f} | {dp:.1f} | "
-                    f"{best} | {r.get('kv_gb_tp8', math.nan):.2f} / "
-                    f"{r.get('kv_gb_dp8', math.nan):.2f} |"
+                    f"{best} | {_kv(r)} |"
                 )
         out.append("")
     if pre:
@@ -310,6 +309,11 @@ def _checked(rows: Sequence[dict[str, Any]]) -> list[str]:
     """A smoke run's table: which paths ran and were checked (its times mean nothing)."""
     head = ["| case | vLLM's path | ours | DP8 |", "|---|---|---|---|"]
     return head + [f"| {r['case']} | checked | checked | checked |" for r in rows]
+
+
+def _kv(r: dict[str, Any]) -> str:
+    """KV GB per GPU under TP8 / DP8, where the model's facts are known."""
+    return f"{r['kv_gb_tp8']:.2f} / {r['kv_gb_dp8']:.2f}" if "kv_gb_tp8" in r else "-"
 
 
 def _ctx(n: int) -> str:
