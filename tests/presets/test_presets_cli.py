@@ -479,6 +479,33 @@ def test_render_and_serve_refuse_sizes_below_one_from_a_yaml_layer(tmp_path, mon
         assert "OK - 0 error(s)" in capsys.readouterr().out
 
 
+def test_max_model_len_auto_validates_renders_and_serves(tmp_path, monkeypatch, capsys):
+    """vLLM's --max-model-len takes auto (any case) and -1: so do validate, render and serve."""
+    import yaml
+
+    monkeypatch.setattr("os.execvpe", lambda *a: pytest.fail("must not exec"))
+    monkeypatch.setenv("DSV4_VLLM", "vllm")
+    for item in ("max-model-len=auto", "max-model-len=Auto", "max-model-len=-1"):
+        assert main(["validate", "h200-tp8-ep", "--vllm", "no", "--set", item]) == 0, item
+        captured = capsys.readouterr()
+        assert "OK - 0 error(s)" in captured.out and "error" not in captured.err, item
+    layer = tmp_path / "auto.yaml"
+    layer.write_text("dsv4: {extends: h200-tp8-ep}\nmax-model-len: auto\n")
+    assert main(["validate", str(layer), "--vllm", "no"]) == 0
+    capsys.readouterr()
+    assert main(["render", str(layer), "--format", "config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["max-model-len"] == "auto"
+    assert main(["serve", str(layer), "--dry-run"]) == 0
+    words = shlex.split(capsys.readouterr().out)
+    assert words[words.index("--max-model-len") + 1] == "auto"
+    # What vLLM's parser refuses stays refused, with what it takes.
+    assert main(["validate", "h200-tp8-ep", "--vllm", "no", "--set", "max-model-len=autox"]) == 1
+    assert (
+        "error: [bad-value] max-model-len: expected an integer such as 16384 or 16k, "
+        "or auto (-1), got 'autox'"
+    ) in capsys.readouterr().err
+
+
 def test_bench_rejects_counts_below_what_vllm_bench_accepts(capsys):
     argv = ["bench", "random-1024-64", "--base-url", "http://127.0.0.1:9", "--dry-run"]
     assert main([*argv, "--set", "num-warmups=-1"]) == 1

@@ -80,8 +80,49 @@ def test_readmes_say_how_to_get_pytorchs_cpu_build_and_the_disk_needed():
     presets = " ".join((root / "packages/dsv4-presets/README.md").read_text().split())
     assert "needs no torch" in presets and "https://download.pytorch.org/whl/cpu" in presets
     readme = " ".join((root / "README.md").read_text().split())
-    assert "about 11-14 GB of free disk" in readme
+    assert "Disk: about 15 GB free" in readme
     assert "docs/contributing.md" in readme and (root / "docs" / "contributing.md").is_file()
+
+
+def _fresh_clone_section() -> str:
+    readme = (DOCS.parent / "README.md").read_text(encoding="utf-8")
+    start = readme.index("## Fresh clone: the two commands")
+    return readme[start : readme.index("\n## ", start + 1)]
+
+
+def test_the_fresh_clone_commands_run_in_a_virtual_environment_and_ci_runs_them():
+    """PEP 668 systems refuse pip into their own Python: the section makes a venv first,
+    and .ci/run runs exactly the section's venv line and test command."""
+    blocks = [block.strip() for block in _blocks(_fresh_clone_section())]
+    venv = "python3 -m venv .venv && . .venv/bin/activate"
+    bench = "python3 -m pip install nox && python3 -m nox -s bench"
+    test = "python3 -m pip install nox && python3 -m nox"
+    assert blocks[:3] == [venv, bench, test]
+    ci = (DOCS.parent / ".ci" / "run").read_text(encoding="utf-8")
+    lines = [line for line in ci.splitlines() if line.strip() and not line.startswith("#")]
+    assert lines[-2:] == [venv, test.replace("&& python3", "&& exec python3")]
+    assert lines[0] == "set -euo pipefail"
+    assert (DOCS.parent / ".ci" / "run").stat().st_mode & 0o111  # executable
+    ignored = (DOCS.parent / ".gitignore").read_text(encoding="utf-8").split()
+    assert ".venv/" in ignored  # the clone's venv never shows up as a change
+
+
+def test_the_torch_the_nox_sessions_install_is_documented():
+    """What nox installs for torch, how to get the CPU build, and every variable
+    noxfile.py reads, in the README's fresh-clone section and the contributing guide."""
+    noxfile = (DOCS.parent / "noxfile.py").read_text(encoding="utf-8")
+    variables = re.findall(r"os\.environ\.get\(\"([A-Z0-9_]+)\"", noxfile)
+    assert "DSV4_TORCH_SPEC" in variables
+    default = re.search(r'os\.environ\.get\("DSV4_TORCH_SPEC", "([^"]+)"\)', noxfile)
+    assert default is not None
+    cpu_index = "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu"
+    section = " ".join(_fresh_clone_section().split())
+    guide = " ".join((DOCS / "contributing.md").read_text(encoding="utf-8").split())
+    for text in (section, guide):
+        assert f"`{default.group(1)}`" in text
+        assert cpu_index in text and "DSV4_TORCH_SPEC" in text
+    for name in variables:
+        assert re.search(rf"\b{name}\b", guide), name
 
 
 def test_contributing_guide_names_real_places_and_sessions():

@@ -136,3 +136,38 @@ def test_the_guide_lists_exactly_the_option_differences_between_the_releases():
     assert expected <= listed
     prose = {"enable-x", "disable-x", "no-", "no-disable-prefix-caching"}  # the explanation
     assert listed - expected <= partners | prose, listed - expected - partners - prose
+
+
+def test_the_snapshot_tells_an_int_or_auto_option_from_a_plain_human_int():
+    """A parser whose type also reads ``auto`` as -1 (vLLM's ``--max-model-len``) is
+    snapshotted as ``human-int-or-auto``, so ``max-model-len: auto`` is checked as vLLM
+    reads it; a plain human-readable integer stays ``human-int``."""
+    import argparse
+
+    from dsv4_presets.schema import check_value
+    from dsv4_presets.schema_snapshot import snapshot_from_parser
+
+    def human(text: str) -> int:
+        text = text.strip()
+        if text.endswith("k"):
+            return int(float(text[:-1]) * 1000)
+        return int(text)
+
+    def human_or_auto(text: str) -> int:
+        return -1 if text.strip().lower() == "auto" else human(text)
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-model-len", type=human_or_auto)
+    parser.add_argument("--max-num-batched-tokens", type=human)
+    table = snapshot_from_parser(parser, command="serve", vllm_version="0")
+    spec = table.options["max-model-len"]
+    assert spec.type == "human-int-or-auto"
+    assert table.options["max-num-batched-tokens"].type == "human-int"
+    for text in ("auto", "AUTO", " auto ", "-1", "16k", 4096):
+        assert check_value(spec, text) is None, text
+    for text in ("autox", "-auto", "au to", "none", ""):
+        assert check_value(spec, text) is not None, text
+    assert check_value(table.options["max-num-batched-tokens"], "auto") is not None
+    # Both shipped releases' --max-model-len is such an option.
+    for release in ("0.32", "0.33"):
+        assert shipped_table("serve", release).options["max-model-len"].type == spec.type

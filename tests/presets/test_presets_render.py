@@ -20,7 +20,7 @@ from dsv4_presets.presets import (
     preset_kind,
     serve_preset_names,
 )
-from dsv4_presets.schema import check_value, shipped_table
+from dsv4_presets.schema import INT_TYPES, check_value, shipped_table
 
 # The seed PR's `vllm serve` command, verbatim.
 SEED_SERVE = r"""
@@ -416,7 +416,7 @@ _NAMES = sorted(
     name
     for name, spec in _TABLE.options.items()
     if spec.kind in ("bool", "flag", "value", "list")
-    and spec.type in ("int", "human-int", "float", "str", "json")
+    and spec.type in (*INT_TYPES, "float", "str", "json")
     and name not in ("model", "config")
 )
 
@@ -433,7 +433,7 @@ def _random_options(draw):
             out[name] = draw(st.booleans())
         elif spec.choices:
             out[name] = draw(st.sampled_from(spec.choices))
-        elif spec.type in ("int", "human-int"):
+        elif spec.type in INT_TYPES:
             out[name] = draw(st.integers(min_value=0, max_value=10**6))
         elif spec.type == "float":
             out[name] = draw(st.floats(min_value=-1e6, max_value=1e6, allow_nan=False))

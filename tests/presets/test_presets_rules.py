@@ -86,6 +86,11 @@ FAILING = [
     ("bad-value", ["max-num-seqs=0"], "max-num-seqs: expected an integer >= 1"),
     ("bad-value", ["max-model-len=0"], "or -1 (auto"),
     ("bad-value", ["max-model-len=-2"], "or -1 (auto"),
+    # vLLM's --max-model-len takes "auto" (any case) and "-1", nothing else that is not a number.
+    ("bad-value", ["max-model-len=autox"], "16384 or 16k, or auto (-1), got 'autox'"),
+    ("bad-value", ["max-model-len=auto1"], "16384 or 16k, or auto (-1), got 'auto1'"),
+    ("bad-value", ["max-model-len=max"], "16384 or 16k, or auto (-1), got 'max'"),
+    ("bad-value", ["max-num-batched-tokens=auto"], "16384 or 16k, got 'auto'"),
     ("bad-value", ["block-size=0"], "block-size: expected an integer >= 1"),
     ("bad-value", ["data-parallel-size-local=-1"], "expected an integer >= 0, got -1"),
     ("unknown-env", ["env.VLLM_USE_DEEPGEM=1"], "not one vLLM"),
@@ -120,6 +125,9 @@ PASSING = [
     ("checkpoint-parsers", ["tokenizer-mode=auto"]),
     ("bad-value", ["max-num-batched-tokens=16k"]),
     ("bad-value", ["max-model-len=-1"]),  # vLLM's "auto"
+    ("bad-value", ["max-model-len=auto"]),
+    ("bad-value", ["max-model-len=AUTO"]),
+    ("max-model-len", ["max-model-len=auto"]),  # the longest that fits: no context to compare
     ("bad-value", ["data-parallel-size-local=0"]),  # vLLM's external-DP sentinel
     ("bad-value", ["max-num-seqs=1"]),
     ("bad-value", ["gpu-memory-utilization=0.9"]),
@@ -355,7 +363,7 @@ def test_validate_on_a_supported_release_names_it(monkeypatch, version):
 
 def test_int_minimums_name_integer_options_of_every_supported_release():
     """Each bounded option exists, as an integer option, in every shipped option table."""
-    from dsv4_presets.schema import INT_MINIMUMS, INT_SPECIAL_VALUES, shipped_table
+    from dsv4_presets.schema import INT_MINIMUMS, INT_SPECIAL_VALUES, INT_TYPES, shipped_table
     from dsv4_presets.vllm_releases import RELEASES
 
     for command, minimums in INT_MINIMUMS.items():
@@ -364,7 +372,7 @@ def test_int_minimums_name_integer_options_of_every_supported_release():
             for name in minimums:
                 spec = table.get(name)
                 assert spec is not None, (command, release, name)
-                assert spec.type in ("int", "human-int"), (command, release, name)
+                assert spec.type in INT_TYPES, (command, release, name)
         for name, specials in INT_SPECIAL_VALUES[command].items():
             assert all(value < minimums[name] for value in specials), name
 
@@ -379,6 +387,8 @@ def test_check_minimum_reads_values_as_vllm_does():
     assert check_minimum("serve", "max-num-batched-tokens", "-1_024") is not None
     assert check_minimum("serve", "max-model-len", -1) is None
     assert check_minimum("serve", "max-model-len", "-1") is None
+    assert check_minimum("serve", "max-model-len", "auto") is None
+    assert check_minimum("serve", "max-model-len", " AUTO ") is None
     # A wrong type is check_value's finding, not this one's; unbounded options pass.
     assert check_minimum("serve", "tensor-parallel-size", "eight") is None
     assert check_minimum("serve", "seed", -7) is None

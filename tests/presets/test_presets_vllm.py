@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from dsv4_presets import check, resolve_bench, resolve_serve, vllm_releases
 from dsv4_presets.presets import bench_preset_names, serve_preset_names
-from dsv4_presets.schema import check_value, render_option, shipped_table
+from dsv4_presets.schema import INT_TYPES, check_value, render_option, shipped_table
 
 pytestmark = pytest.mark.vllm
 
@@ -245,7 +245,7 @@ SIMPLE = sorted(
     name
     for name, spec in SERVE.options.items()
     if spec.kind in ("bool", "flag", "value")
-    and spec.type in ("int", "human-int", "float", "str")
+    and spec.type in (*INT_TYPES, "float", "str")
     and name not in ("log-config-file", "grpc-port", "model")  # side effects / special cases
 )
 TEXT = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_/.", min_size=1, max_size=12)
@@ -261,7 +261,7 @@ def option_values(draw: Any) -> dict[str, Any]:
             out[name] = draw(st.booleans()) if spec.kind == "bool" else True
         elif spec.choices:
             out[name] = draw(st.sampled_from(spec.choices))
-        elif spec.type in ("int", "human-int"):
+        elif spec.type in INT_TYPES:
             out[name] = draw(st.integers(min_value=1, max_value=2**20))
         elif spec.type == "float":
             out[name] = draw(st.floats(min_value=0.01, max_value=1e4, allow_nan=False))
@@ -479,6 +479,57 @@ def test_human_int_check_is_vllms(text: str) -> None:
     assert (check_value(spec, text) is None) == (message is None), (text, message)
 
 
+MAX_MODEL_LEN_TEXTS = [
+    "auto", "AUTO", " Auto ", "-1", " -1 ", "-01", "-2", "0", "16k", "1.5K", "2M",
+    "autox", "auto1", "-auto", "auto auto", "au to", "none", "max", "-1k", "",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", MAX_MODEL_LEN_TEXTS)
+def test_max_model_len_check_is_vllms(text: str) -> None:
+    """``max-model-len`` takes exactly what vLLM's parser takes (``auto`` and ``-1`` too).
+
+    What the parser takes and reads below 1 other than -1 (``0``, ``-2``) its
+    ModelConfig refuses at start-up: the offline minimum check refuses it too.
+    """
+    from dsv4_presets.schema import check_minimum
+
+    spec = SERVE.options["max-model-len"]
+    assert spec.type == "human-int-or-auto"
+    argv = ["serve", "model", *render_option("max-model-len", text, spec)]
+    ns, message = vllm_check.parse(vllm_check._serve_root(), argv)
+    assert (check_value(spec, text) is None) == (message is None), (text, message)
+    if message is None:
+        accepted = ns.max_model_len == -1 or ns.max_model_len >= 1
+        assert (check_minimum("serve", "max-model-len", text) is None) == accepted, text
+    if text.strip().lower() == "auto":
+        assert ns.max_model_len == -1
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("auto", ["--max-model-len", "auto"]),
+        ("AUTO", ["--max-model-len", "AUTO"]),
+        (-1, ["--max-model-len=-1"]),
+    ],
+)
+def test_max_model_len_auto_passes_every_check_with_vllm(value, words, tmp_path: Path) -> None:
+    """``max-model-len: auto`` in a preset file, through vLLM's parser and its checks."""
+    import yaml
+
+    preset = tmp_path / "auto.yaml"
+    preset.write_text(yaml.safe_dump({"dsv4": {"extends": "h200-tp8-ep"}, "max-model-len": value}))
+    config = resolve_serve(str(preset))
+    report = check(config, with_vllm=True)
+    assert report.findings == [], report.findings
+    argv = config.to_argv()
+    start = next(i for i, word in enumerate(argv) if word.startswith("--max-model-len"))
+    assert argv[start : start + len(words)] == words
+    ns, message = vllm_check.parse(vllm_check._serve_root(), ["serve", *argv])
+    assert message is None and ns.max_model_len == -1
+
+
 def _vllm_lower_bounds(parser: argparse.ArgumentParser) -> dict[str, int]:
     """Each integer ``vllm serve`` option's smallest value, as vLLM's config classes declare it.
 
@@ -501,7 +552,7 @@ def _vllm_lower_bounds(parser: argparse.ArgumentParser) -> dict[str, int]:
     ]
     bounds: dict[str, int] = {}
     for name, spec in SERVE.options.items():
-        if spec.type not in ("int", "human-int"):
+        if spec.type not in INT_TYPES:
             continue
         dest = parser._option_string_actions[f"--{name}"].dest
         found = []

@@ -21,7 +21,8 @@ Each option has a *kind*:
     ``--x`` only (``store_true``); ``false`` means "leave it off".
 ``value``
     ``--x VALUE``; the value's *type* is one of ``int``, ``human-int`` (``16384`` or
-    ``16k``), ``float``, ``str``, ``json`` (a mapping, sent as JSON) or ``json-or-str``.
+    ``16k``), ``human-int-or-auto`` (the same, or ``auto``/``-1``: ``--max-model-len``),
+    ``float``, ``str``, ``json`` (a mapping, sent as JSON) or ``json-or-str``.
 ``list``
     ``--x A B C`` (``nargs='+'`` or ``'*'``); YAML list.
 ``append``
@@ -45,7 +46,9 @@ from typing import Any
 import yaml
 
 KINDS = ("bool", "flag", "value", "list", "append", "optional")
-TYPES = ("int", "human-int", "float", "str", "json", "json-or-str")
+TYPES = ("int", "human-int", "human-int-or-auto", "float", "str", "json", "json-or-str")
+# The types whose values are integers (INT_MINIMUMS bounds options of these types).
+INT_TYPES = ("int", "human-int", "human-int-or-auto")
 
 # Snapshot files inside the package, one folder per supported vLLM release
 # (dsv4_presets/data/vllm/<major>.<minor>/).
@@ -240,6 +243,11 @@ def _check_scalar(spec: OptionSpec, value: object) -> str | None:
             pass
         else:
             return f"expected an integer such as 16384 or 16k, got {value!r}"
+    elif spec.type == "human-int-or-auto":
+        if isinstance(value, int) or (isinstance(value, str) and _human_int_or_auto_ok(value)):
+            pass
+        else:
+            return f"expected an integer such as 16384 or 16k, or auto (-1), got {value!r}"
     elif spec.type == "float":
         if _is_number(value) or (isinstance(value, str) and _float_ok(value)):
             pass
@@ -305,6 +313,14 @@ def _human_int_ok(text: str) -> bool:
         number, suffix = match.groups()
         return suffix.islower() or "." not in number
     return _int_ok(text)
+
+
+def _human_int_or_auto_ok(text: str) -> bool:
+    """Whether vLLM's ``human_readable_int_or_auto`` (``--max-model-len``, 0.32 and 0.33)
+    takes ``text``: ``-1`` or ``auto`` in any case (surrounding spaces stripped), else
+    what ``human_readable_int`` takes."""
+    text = text.strip()
+    return text == "-1" or text.lower() == "auto" or _human_int_ok(text)
 
 
 def _float_ok(text: str) -> bool:

@@ -12,7 +12,7 @@ from typing import Any
 
 from dsv4_presets.schema import OptionSpec, OptionTable
 
-_PROBES = ("1", "1.5", "16k", '{"a": 1}', "{}", "abc")
+_PROBES = ("1", "1.5", "16k", '{"a": 1}', "{}", "abc", "auto")
 
 
 def _probe(fn: Any, text: str) -> tuple[bool, Any]:
@@ -41,7 +41,9 @@ def _classify_type(fn: Any) -> str:
         return "json-or-str"
     if ok_int and isinstance(val_int, int) and not isinstance(val_int, bool):
         if ok_k and val_k == 16000:
-            return "human-int"
+            # vLLM's human_readable_int_or_auto (--max-model-len) also reads "auto" as -1
+            ok_auto, val_auto = results["auto"]
+            return "human-int-or-auto" if ok_auto and val_auto == -1 else "human-int"
         if not ok_float:
             return "int"
     if ok_float and isinstance(val_float, float) and not ok_abc:
