@@ -157,7 +157,11 @@ def vllm(session: nox.Session, release: str) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run the kernel benchmark matrix (a labelled CPU smoke run where no GPU is present)."""
+    """Run the kernel benchmark matrix and the whole-model step benchmark (labelled CPU smoke
+    runs where no GPU is present)."""
     _install(session, "dsv4-attention", extras="")  # with dsv4-kernels: the layer cases need it
     session.install("matplotlib", "numpy")
     session.run("python", "-m", "benchmarks.kernels", *session.posargs)
+    # what a user gains per step: the whole model's attention (a labelled smoke run of a
+    # tiny model without a GPU), into benchmarks/results/model_step
+    session.run("python", "-m", "benchmarks.model_step", "--out", "benchmarks/results/model_step")

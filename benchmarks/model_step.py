@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -399,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         write(results, env, source, args.out)
         return 0
     gpu = torch.cuda.is_available()
+    if not gpu:  # our kernels through Triton's interpreter: set before dsv4_kernels imports
+        os.environ["TRITON_INTERPRET"] = "1"
     device = torch.device("cuda" if gpu else "cpu")
     env = harness.environment(device)
     env["mode"] = "gpu" if gpu else "cpu-smoke"
