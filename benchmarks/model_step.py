@@ -460,7 +460,7 @@ def write(results: Sequence[Result], env: dict[str, str], source: str, out: Path
     (out / "model_step.json").write_text(
         json.dumps({"env": env, "metadata": source, "rows": rows}, indent=1, sort_keys=True) + "\n"
     )
-    (out / "model_step.md").write_text(head + "\n\n" + text + "\n")
+    (out / "model_step.md").write_text((head + "\n\n" + text).rstrip("\n") + "\n")
     if gpu:
         plot(rows, env, out / "model_step.png")
 
