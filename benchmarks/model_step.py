@@ -142,7 +142,7 @@ def prefill_cases(
         else:
             ours = mp.takes_ours(step)
             paths = [mp.vllm_path(step, ops, VLLM, keep=keep),
-                     mp.vllm_path(step, ops, OURS, ours, keep=keep)]  # fmt: skip
+                     mp.plugin_path(step, ops, OURS, ours, keep=keep)]  # fmt: skip
         providers = [Provider(p.name, p.run, p.poison, mp.checker(step, p)) for p in paths]
         floor = 0 if dp else mp.floor_bytes(step)
         params = _params(tp_cell, dp_cell, paths[-1].ours, seed, gpu)

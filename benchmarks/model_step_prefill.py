@@ -32,7 +32,14 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .inputs_sparse_mla import AttnInputs, AttnShape, make_inputs
-from .model_step_common import SCALE, MetadataOps, StepModel, assert_close, sample_tokens
+from .model_step_common import (
+    SCALE,
+    MetadataOps,
+    StepModel,
+    assert_close,
+    sample_tokens,
+    unique_key_bytes,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,8 +159,6 @@ def floor_bytes(step: PrefillStep) -> int:
     T, H = step.cell.tokens, step.cell.model.heads
     total = 0
     for inp in step.kinds.values():
-        from .model_step_common import unique_key_bytes
-
         sets = [(inp.rows.window, inp.rows.window_lens)]
         if inp.rows.comp is not None:
             sets.append((inp.rows.comp, inp.rows.comp_lens))
@@ -249,17 +254,19 @@ def vllm_path(
     name: str,
     ours: tuple[str, ...] = (),
     keep: Sequence[int] | None = None,
+    plugin: bool = False,
 ) -> PrefillPath:
-    """vLLM's ``_forward_prefill`` for every layer (``ours``: the plugin's path for those
-    kinds, with the plugin's combine for the rest).  ``keep``: the layers whose outputs
-    stay readable after a run (default every layer; a 16K-token chunk's padded output is
-    1 GB a layer, so the benchmark keeps the layers it checks)."""
+    """vLLM's ``_forward_prefill`` for every layer, vLLM's combine included (``plugin``:
+    the plugin's path instead, :func:`plugin_path`: ours for the kinds in ``ours``, the
+    plugin's combine for the rest).  ``keep``: the layers whose outputs stay readable
+    after a run (default every layer; a 16K-token chunk's padded output is 1 GB a layer,
+    so the benchmark keeps the layers it checks)."""
     from dsv4_attention.prefill import PrefillPlan, forward_prefill
 
     from .cases_prefill_layer import layer_kwargs
 
     fm = _FlashMLA(step)
-    vllm_ops = None if ours else ops  # the plugin replaces vLLM's combine on the H200
+    vllm_ops = None if plugin else ops  # the plugin replaces vLLM's combine on the H200
     first = next(iter(step.kinds.values())).index_case
     dev = first.seq_lens.device
     T, H = step.cell.tokens, step.cell.model.heads
@@ -292,6 +299,18 @@ def vllm_path(
             o.fill_(float("nan"))
 
     return PrefillPath(name, run, lambda i: outs[i], poison, ours, kept)
+
+
+def plugin_path(
+    step: PrefillStep,
+    ops: MetadataOps,
+    name: str,
+    ours: tuple[str, ...],
+    keep: Sequence[int] | None = None,
+) -> PrefillPath:
+    """The plugin's prefill for every layer: ours for the kinds in ``ours``
+    (:func:`takes_ours`), vLLM's path with the plugin's combine for the rest."""
+    return vllm_path(step, ops, name, ours, keep, plugin=True)
 
 
 def checker(step: PrefillStep, path: PrefillPath) -> Callable[[], None]:

@@ -57,7 +57,7 @@ def test_prefill_step_every_layer_equals_the_oracle(ops: object) -> None:
     tokens = torch.arange(cell.tokens)
     ours = mp.takes_ours(step)
     assert set(ours) == {"swa", "c4a", "c128a"}
-    for path in (mp.vllm_path(step, ops, "vllm"), mp.vllm_path(step, ops, "ours", ours)):
+    for path in (mp.vllm_path(step, ops, "vllm"), mp.plugin_path(step, ops, "ours", ours)):
         path.poison()
         path.run()
         for i, kind in enumerate(cell.model.kinds):
@@ -79,7 +79,7 @@ def test_the_check_catches_a_wrong_layer(ops: object, part: str) -> None:
         path, make_check = md.plugin_path(step, ops, "ours"), md.checker
     else:
         step = mp.build_step(mp.PrefillCell(tiny_model(8), 1, 6, 300), CPU, fresh_seed())
-        path, make_check = mp.vllm_path(step, ops, "ours", mp.takes_ours(step)), mp.checker
+        path, make_check = mp.plugin_path(step, ops, "ours", mp.takes_ours(step)), mp.checker
     check_fn = make_check(step, path)
     path.run()
     check_fn()

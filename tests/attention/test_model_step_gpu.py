@@ -56,5 +56,5 @@ def test_prefill_chunk_real_shapes(model: str) -> None:
     step = mp.build_step(mp.chunk_cell(step_model(model, "tp8"), 4096, 131072), CUDA, fresh_seed())
     ours = mp.takes_ours(step)
     assert ours, "the H200 table takes some layer kind's prefill"
-    paths = [mp.vllm_path(step, ops, "ours", ours), mp.vllm_path(step, ops, "vllm")]
+    paths = [mp.plugin_path(step, ops, "ours", ours), mp.vllm_path(step, ops, "vllm")]
     _check_paths(step, paths, prefill_oracle)
