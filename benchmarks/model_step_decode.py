@@ -75,9 +75,6 @@ class DecodeStep:
     token_to_req: torch.Tensor  # [T] int32
     is_valid: torch.Tensor  # [T] bool
 
-    def comp_pool(self, kind: str) -> Any:
-        return self.pools.get(kind)
-
 
 def pools(device: torch.device) -> dict[str, Any]:
     """The window, C4A and C128A page pools of ``device`` (made once, filled at random)."""
@@ -100,7 +97,7 @@ def pools(device: torch.device) -> dict[str, Any]:
 
 
 def _c4a_rows(
-    pool: Any, cell: DecodeCell, pos: torch.Tensor, req: torch.Tensor, g: torch.Generator
+    pool: Any, cell: DecodeCell, pos: torch.Tensor, g: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A C4A layer's indexer output: per token ``min(n, topk)`` request-local entries drawn
     among its ``n = (pos + 1) // 4`` compressed entries (-1 after), and the layer's block
@@ -155,7 +152,7 @@ def build_step(cell: DecodeCell, device: torch.device, seed: int) -> DecodeStep:
             kind, rows.swa_indices, rows.swa_lens, rows.comp_indices, rows.comp_lens
         )
         if kind == "c4a":
-            layer.local, layer.table = _c4a_rows(p["c4a"], cell, pos, req, g)
+            layer.local, layer.table = _c4a_rows(p["c4a"], cell, pos, g)
             layer.comp_indices, layer.comp_lens = ref.compute_global_topk_indices_and_lens(
                 layer.local, token_to_req, layer.table, p["c4a"].block_size, is_valid
             )
