@@ -57,6 +57,20 @@ class StepModel:
         return sorted({i for pair in ends.values() for i in pair})
 
 
+@dataclasses.dataclass
+class StepPath:
+    """One path through a whole step: ``run`` (on a GPU a graph replay for decode),
+    ``outputs(i)`` (layer ``i``'s real heads after the last run, for ``i`` in ``kept``),
+    ``poison`` (NaN into those outputs), ``ours`` (the layer kinds on our kernels)."""
+
+    name: str
+    run: Callable[[], None]
+    outputs: Callable[[int], torch.Tensor]
+    poison: Callable[[], None]
+    ours: tuple[str, ...]
+    kept: tuple[int, ...]
+
+
 def step_model(name: str, layout: str) -> StepModel:
     """A published checkpoint (``benchmarks/model_facts.json``) at ``tp8`` or ``dp8``."""
     from . import model_facts

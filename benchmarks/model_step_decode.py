@@ -31,7 +31,15 @@ from typing import Any
 
 import torch
 
-from .model_step_common import SCALE, MetadataOps, StepModel, assert_close, capture, sample_tokens
+from .model_step_common import (
+    SCALE,
+    MetadataOps,
+    StepModel,
+    StepPath,
+    assert_close,
+    capture,
+    sample_tokens,
+)
 
 POOL_BYTES = {"swa": 1 << 30, "c4a": 2 << 30, "c128a": 2 << 30}  # on a GPU
 SMOKE_POOL_PAGES = {"swa": 64, "c4a": 64, "c128a": 512}
@@ -250,19 +258,7 @@ def _comp_rows(layer: DecodeLayer, step: DecodeStep, ops: MetadataOps) -> tuple[
     return layer.comp_indices, layer.comp_lens
 
 
-@dataclasses.dataclass
-class DecodePath:
-    """One path through the whole step: ``run`` (a graph replay on a GPU), ``outputs(i)``
-    (layer ``i``'s real heads after the last run), ``ours`` (layer kinds on ours)."""
-
-    name: str
-    run: Callable[[], None]
-    outputs: Callable[[int], torch.Tensor]
-    poison: Callable[[], None]
-    ours: tuple[str, ...]
-
-
-def vllm_path(step: DecodeStep, ops: MetadataOps, name: str) -> DecodePath:
+def vllm_path(step: DecodeStep, ops: MetadataOps, name: str) -> StepPath:
     """vLLM's ``_forward_decode`` for every layer, one graph."""
     fm = _FlashMLA(step)
     outs: list[torch.Tensor] = []
@@ -280,10 +276,11 @@ def vllm_path(step: DecodeStep, ops: MetadataOps, name: str) -> DecodePath:
         for o in outs:
             o.fill_(float("nan"))
 
-    return DecodePath(name, replay, lambda i: outs[i][:, 0, :H], poison, ())
+    every = tuple(range(len(step.layers)))
+    return StepPath(name, replay, lambda i: outs[i][:, 0, :H], poison, (), every)
 
 
-def plugin_path(step: DecodeStep, ops: MetadataOps, name: str) -> DecodePath:
+def plugin_path(step: DecodeStep, ops: MetadataOps, name: str) -> StepPath:
     """The plugin's ``_forward_decode`` for every layer: the head-exact decode where the
     H200 table says, FlashMLA elsewhere; one graph."""
     import dsv4_kernels as dk
@@ -337,7 +334,8 @@ def plugin_path(step: DecodeStep, ops: MetadataOps, name: str) -> DecodePath:
         for o in outs:
             o.fill_(float("nan"))
 
-    return DecodePath(name, replay, lambda i: outs[i][:, :H], poison, ours)
+    every = tuple(range(len(step.layers)))
+    return StepPath(name, replay, lambda i: outs[i][:, :H], poison, ours, every)
 
 
 def reference_outputs(step: DecodeStep, layers: list[int], tokens: torch.Tensor) -> dict[int, Any]:
@@ -369,7 +367,7 @@ def reference_outputs(step: DecodeStep, layers: list[int], tokens: torch.Tensor)
     return want
 
 
-def checker(step: DecodeStep, path: DecodePath) -> Callable[[], None]:
+def checker(step: DecodeStep, path: StepPath) -> Callable[[], None]:
     """A check of ``path``'s last run: every layer fully written (no NaN after poisoning),
     the first and last layer of each kind equal to the reference on sampled tokens."""
     tokens = sample_tokens(step.cell.tokens, step.q.device)
@@ -377,7 +375,7 @@ def checker(step: DecodeStep, path: DecodePath) -> Callable[[], None]:
     want = reference_outputs(step, layers, tokens)
 
     def check() -> None:
-        for i in range(len(step.layers)):
+        for i in path.kept:
             assert not torch.isnan(path.outputs(i).float()).any(), (
                 f"{path.name} {step.cell.name}: layer {i} has unwritten (NaN) output"
             )

@@ -36,6 +36,7 @@ from .model_step_common import (
     SCALE,
     MetadataOps,
     StepModel,
+    StepPath,
     assert_close,
     sample_tokens,
     unique_key_bytes,
@@ -77,19 +78,20 @@ class PrefillStep:
     vllm_rows: dict[str, torch.Tensor]
 
 
+def _positions(inp: AttnInputs) -> torch.Tensor:
+    """Each chunk token's position in its request (the reference index builder's mapping)."""
+    from dsv4_kernels.reference.prefill_indices import _positions as positions
+
+    c = inp.index_case
+    return positions(c.query_start_loc, c.seq_lens, c.num_tokens)[1]
+
+
 def _rotated_topk(inp: AttnInputs, g: torch.Generator) -> torch.Tensor:
     """Another layer's top-k: each token's entries shifted by a random offset modulo its
     entry count (distinct entries stay distinct; -1 stays -1)."""
-    c = inp.index_case
-    local = c.topk_indices
+    local = inp.index_case.topk_indices
     T = local.shape[0]
-    q = torch.diff(c.query_start_loc.to(torch.int64))
-    req = torch.repeat_interleave(torch.arange(len(q), device=local.device), q)
-    start = torch.cumsum(q, 0) - q
-    pos = (
-        c.seq_lens.to(torch.int64)[req] - q[req] + torch.arange(T, device=local.device) - start[req]
-    )
-    n = ((pos + 1) // inp.shape.ratio).clamp(min=1).unsqueeze(1)
+    n = ((_positions(inp) + 1) // inp.shape.ratio).clamp(min=1).unsqueeze(1)
     shift = torch.randint(0, 1 << 30, (T, 1), generator=g, device=local.device)
     return torch.where(local >= 0, (local.to(torch.int64) + shift) % n, -1).to(torch.int32)
 
@@ -145,12 +147,8 @@ def _vllm_rows(inp: AttnInputs) -> torch.Tensor:
     T, dev = c.num_tokens, c.seq_lens.device
     if inp.comp_cache is None:
         return torch.full((T, max(inp.shape.topk, 1)), -1, dtype=torch.int32, device=dev)
-    q = torch.diff(c.query_start_loc.to(torch.int64))
-    req = torch.repeat_interleave(torch.arange(len(q), device=dev), q)
-    start = torch.cumsum(q, 0) - q
-    pos = c.seq_lens.to(torch.int64)[req] - q[req] + torch.arange(T, device=dev) - start[req]
     j = torch.arange(c.topk, device=dev).unsqueeze(0)
-    n = ((pos + 1) // inp.shape.ratio).unsqueeze(1)
+    n = ((_positions(inp) + 1) // inp.shape.ratio).unsqueeze(1)
     return torch.where(j < n, j, -1).to(torch.int32)
 
 
@@ -172,16 +170,13 @@ def _gather_and_combine(inp: AttnInputs, rows: torch.Tensor, ops: MetadataOps | 
     combine (``ops``) with the arguments vLLM passes, or the plugin's (``ops`` None)."""
     c = inp.index_case
     inp.build_workspace()
-    args = (c.query_start_loc, c.seq_lens, inp.gather_lens, 128, inp.shape.ratio,
-            inp.topk_width, inp.M, inp.N)  # fmt: skip
-    out = (inp.combined, inp.combined_lens)
-    if ops is not None:  # vLLM's: always a top-k tensor, the chunk's tokens from ``out``
-        ops.combine(c.topk_indices if inp.shape.topk_rows else rows, *args, out=out)
-    else:
-        import dsv4_kernels as dk
-
-        topk = c.topk_indices if inp.shape.topk_rows else None
-        dk.combine_topk_swa_indices(topk, *args, out=out, num_tokens=c.num_tokens)
+    if ops is None:
+        inp.build_combined()
+        return
+    # vLLM's: always a top-k tensor, the chunk's tokens from ``out``
+    ops.combine(c.topk_indices if inp.shape.topk_rows else rows, c.query_start_loc, c.seq_lens,
+                inp.gather_lens, 128, inp.shape.ratio, inp.topk_width, inp.M, inp.N,
+                out=(inp.combined, inp.combined_lens))  # fmt: skip
 
 
 class _FlashMLA:
@@ -217,16 +212,6 @@ def _gpu(step: PrefillStep) -> bool:
     return next(iter(step.kinds.values())).q.is_cuda
 
 
-@dataclasses.dataclass
-class PrefillPath:
-    name: str
-    run: Callable[[], None]
-    outputs: Callable[[int], torch.Tensor]  # layer i's real heads after the last run
-    poison: Callable[[], None]
-    ours: tuple[str, ...]
-    kept: tuple[int, ...] = ()  # layers whose outputs ``outputs`` gives
-
-
 def takes_ours(step: PrefillStep) -> tuple[str, ...]:
     """The layer kinds whose prefill the plugin runs as ours in this step on the H200."""
     from types import SimpleNamespace
@@ -255,7 +240,7 @@ def vllm_path(
     ours: tuple[str, ...] = (),
     keep: Sequence[int] | None = None,
     plugin: bool = False,
-) -> PrefillPath:
+) -> StepPath:
     """vLLM's ``_forward_prefill`` for every layer, vLLM's combine included (``plugin``:
     the plugin's path instead, :func:`plugin_path`: ours for the kinds in ``ours``, the
     plugin's combine for the rest).  ``keep``: the layers whose outputs stay readable
@@ -298,7 +283,7 @@ def vllm_path(
         for o in outs.values():
             o.fill_(float("nan"))
 
-    return PrefillPath(name, run, lambda i: outs[i], poison, ours, kept)
+    return StepPath(name, run, lambda i: outs[i], poison, ours, kept)
 
 
 def plugin_path(
@@ -307,13 +292,13 @@ def plugin_path(
     name: str,
     ours: tuple[str, ...],
     keep: Sequence[int] | None = None,
-) -> PrefillPath:
+) -> StepPath:
     """The plugin's prefill for every layer: ours for the kinds in ``ours``
     (:func:`takes_ours`), vLLM's path with the plugin's combine for the rest."""
     return vllm_path(step, ops, name, ours, keep, plugin=True)
 
 
-def checker(step: PrefillStep, path: PrefillPath) -> Callable[[], None]:
+def checker(step: PrefillStep, path: StepPath) -> Callable[[], None]:
     """Every kept layer fully written; the first and last layer of each kind equal to the
     float32 reference on sampled tokens."""
     from .inputs_sparse_mla import reference_sample
