@@ -46,7 +46,7 @@ KINDS: dict[str, dict[int, str]] = {
 TP_SIZES = (1, 2, 4, 8)
 
 # config keys every model carries (ints), and the V4.1-only ones
-_INT_KEYS = (
+INT_KEYS = (
     "hidden_size",
     "num_hidden_layers",
     "num_attention_heads",
@@ -243,7 +243,7 @@ def _optional_ids(config: Mapping[str, Any], key: str) -> tuple[int, ...] | None
 def _facts(name: str, entry: Mapping[str, Any], records: Mapping[str, Any]) -> ModelFacts:
     config = entry["config"]
     missing = [
-        k for k in ("architectures", "model_type", "compress_ratios", *_INT_KEYS) if k not in config
+        k for k in ("architectures", "model_type", "compress_ratios", *INT_KEYS) if k not in config
     ]
     if missing:
         raise ValueError(f"{name}: config lacks {missing}")
@@ -261,7 +261,7 @@ def _facts(name: str, entry: Mapping[str, Any], records: Mapping[str, Any]) -> M
         hf_id=entry["hf_id"],
         architecture=architecture,
         model_type=config["model_type"],
-        **{k: int(config[k]) for k in _INT_KEYS},
+        **{k: int(config[k]) for k in INT_KEYS},
         compress_ratios=tuple(int(r) for r in config["compress_ratios"]),
         kv_source_layer_ids=_optional_ids(config, "kv_source_layer_ids"),
         index_source_layer_ids=_optional_ids(config, "index_source_layer_ids"),

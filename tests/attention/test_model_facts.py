@@ -268,18 +268,7 @@ def test_vllm_parses_the_same_model(
     )
     assert arch == facts.architecture
     assert model_cls.__module__.startswith(f"vllm.models.deepseek_{facts.family}.")
-    for key in (
-        "num_hidden_layers",
-        "num_attention_heads",
-        "head_dim",
-        "qk_rope_head_dim",
-        "sliding_window",
-        "index_topk",
-        "index_n_heads",
-        "index_head_dim",
-        "num_nextn_predict_layers",
-        "max_position_embeddings",
-    ):
+    for key in model_facts.INT_KEYS:  # every integer field the file records
         assert getattr(hf, key) == getattr(facts, key), key
     assert _vllm_ratio_list(hf) == list(facts.compress_ratios)
 
