@@ -56,8 +56,8 @@ SMOKE_CONTEXT = 300
 
 def decode_cases(
     models: Sequence[str], device: torch.device, ops: Any, only: Sequence[str] = ()
-) -> list[tuple[Any, Callable[[], BenchCase]]]:
-    """(cell, a builder of its case) for the decode grid (or the smoke set on a CPU)."""
+) -> list[Callable[[], BenchCase]]:
+    """A builder of each case of the decode grid (or the smoke set on a CPU)."""
     from . import model_step_decode as md
 
     gpu = device.type == "cuda"
@@ -100,12 +100,12 @@ def decode_cases(
             _params(tp_cell, dp_cell, paths[1][0].ours, seed, gpu),
         )
 
-    return [(c[0], lambda c=c: build(*c)) for c in cells]
+    return [lambda c=c: build(*c) for c in cells]
 
 
 def prefill_cases(
     models: Sequence[str], device: torch.device, ops: Any, only: Sequence[str] = ()
-) -> list[tuple[Any, Callable[[], BenchCase]]]:
+) -> list[Callable[[], BenchCase]]:
     from . import model_step_prefill as mp
 
     gpu = device.type == "cuda"
@@ -148,7 +148,7 @@ def prefill_cases(
         params = _params(tp_cell, dp_cell, paths[-1].ours, seed, gpu)
         return BenchCase(PREFILL, tp_cell.name, tp_cell.tokens, floor, providers, params)
 
-    return [(c[0], lambda c=c, dp=dp: build(*c, dp)) for c in cells for dp in (False, True)]
+    return [lambda c=c, dp=dp: build(*c, dp) for c in cells for dp in (False, True)]
 
 
 def _params(tp: Any, dp: Any, ours: tuple[str, ...], seed: int, gpu: bool) -> dict[str, Any]:
@@ -190,13 +190,13 @@ def run(
     ``done`` gets the results so far after every case (the run writes them as it goes)."""
     ops = metadata_ops(peer)
     log(f"model step: metadata kernels: {ops.source}")
-    todo: list[tuple[Any, Callable[[], BenchCase]]] = []
+    todo: list[Callable[[], BenchCase]] = []
     if "decode" in parts:
         todo += decode_cases(models, device, ops, only)
     if "prefill" in parts:
         todo += prefill_cases(models, device, ops, only)
     results: list[Result] = []
-    for _cell, make in todo:
+    for make in todo:
         case = make()
         results += harness.run_cases([case], device, bandwidth, rep_ms, log)
         del case
