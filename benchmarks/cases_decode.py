@@ -50,7 +50,7 @@ CONTEXT = 131072
 C128A_WIDTH = CONTEXT // 128
 STEPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 MTP_STEPS = (2, 4, 8, 16, 32, 64, 128, 256, 512)
-DP_STEPS = (1, 16, 64, 256, 1024)
+DP_STEPS = (1, 2, 4, 8, 16, 32, 64, 256, 1024)
 ROTATE = 8
 _CACHE: dict[str, Any] = {}  # page pools per layer type and the scratch, shared by cases
 # Pool pages per layer type (window pages of 64 slots; compressed pages of 64 or 2 slots).
@@ -92,8 +92,9 @@ def matrix(layers: Sequence[str] = ("c4a", "c128a", "swa"), dp: bool = True) -> 
         for model, heads, topk in (("flash-tp8", 8, 512), ("pro-tp8", 16, 1024)):
             out += [DecodeShape(layer, model, heads, topk, t, 1) for t in STEPS]
             out += [DecodeShape(layer, model, heads, topk, t, 2) for t in MTP_STEPS]
-    if dp:
-        out += [DecodeShape("c4a", "flash-dp", 64, 512, t, 1) for t in DP_STEPS]
+    if dp:  # DP attention: every head of V4-Flash on one GPU
+        for layer in layers:
+            out += [DecodeShape(layer, "flash-dp", 64, 512, t, 1) for t in DP_STEPS]
     return out
 
 

@@ -50,6 +50,11 @@ def _case(layer: str, tokens: int, per_request: int, heads: int, gpu: torch.devi
 
 
 _SCRATCH: dict[str, dk.DecodeScratch] = {}
+# Decode v2's switches all on: the combine fused into the split kernel at every size,
+# more than 16 heads on the wgmma split kernel in blocks of 16, register S at 16 heads.
+V2 = {"FUSED_MAX_TOKENS": 1 << 20, "FUSED_MAX_SPLITS": 1 << 20, "HEAD_BLOCKS": 1, "REG_A_H16": 1}
+# ... and the combine as a programmatic dependent launch (head blocks too)
+PDL = {"PDL": 1, "HEAD_BLOCKS": 1}
 
 
 def _scratch(gpu: torch.device) -> dk.DecodeScratch:
@@ -62,7 +67,8 @@ def _scratch(gpu: torch.device) -> dk.DecodeScratch:
 
 def _call(case: td.DecodeCase, gpu: torch.device, splits: int | None = None,
           rows: td.DecodeRows | None = None, out: torch.Tensor | None = None,
-          lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+          lse: torch.Tensor | None = None,
+          policy: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     r = case.rows if rows is None else rows
     T, H, _ = case.q.shape
     if out is None:
@@ -70,7 +76,7 @@ def _call(case: td.DecodeCase, gpu: torch.device, splits: int | None = None,
         lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=gpu)
     return dk.sparse_mla_decode(case.q, case.pools.swa.cache, r.swa_indices, r.swa_lens, SCALE,
                                 scratch=_scratch(gpu), out=out, lse=lse, num_splits=splits,
-                                **case.kwargs(r))  # fmt: skip
+                                policy=policy, **case.kwargs(r))  # fmt: skip
 
 
 def _sample_check(case: td.DecodeCase, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -89,19 +95,30 @@ def _sample_check(case: td.DecodeCase, out: torch.Tensor, lse: torch.Tensor) -> 
 @pytest.mark.parametrize("tokens,per_request", [(1, 1), (4, 4), (32, 2), (256, 1), (48, 3)])
 def test_decode_matrix(layer: str, heads: int, tokens: int, per_request: int,
                        gpu: torch.device) -> None:  # fmt: skip
+    from dsv4_kernels import _gluon_decode
+
     case = _case(layer, tokens, per_request, heads, gpu, hole_fraction=0.05, empty_tokens=1)
     for splits in (None, 1, 7):
         out, lse = _call(case, gpu, splits)
         _sample_check(case, out, lse)
     if heads <= 16:
-        from dsv4_kernels import _gluon_decode
-
         assert not _paged_keys.SPLIT_BROKEN, _paged_keys.SPLIT_BROKEN
         assert _gluon_decode.compiled_variants() > 0, "the wgmma split kernel did not run"
+    for policy in (V2, PDL):  # decode v2's switches: the fused merge, PDL, head blocks
+        for splits in (None, 2, 7):
+            out, lse = _call(case, gpu, splits, policy=policy)
+            _sample_check(case, out, lse)
+            assert not _scratch(gpu).counters.any(), "the fused merge left a counter set"
+    if heads > 16:  # the launcher's own choice: the wgmma kernel in blocks of 16 heads
+        assert _paged_keys.wgmma_runs(case.q, _paged_keys.tiles_for(16), True, True, split=True,
+                                      head_blocks=True)  # fmt: skip
 
 
-def test_decode_graph_replay_with_new_rows(gpu: torch.device) -> None:
-    """Capture once; write new rows and lengths into the same buffers; replay == eager."""
+@pytest.mark.parametrize("policy", [None, V2, PDL], ids=["defaults", "v2", "pdl"])
+def test_decode_graph_replay_with_new_rows(policy: dict[str, int] | None,
+                                           gpu: torch.device) -> None:  # fmt: skip
+    """Capture once; write new rows and lengths into the same buffers; replay == eager
+    (with the fused merge too: its counters are back at zero after every replay)."""
     for layer, tokens, heads in (
         ("c4a", 4, 8),
         ("c128a", 16, 16),
@@ -109,6 +126,7 @@ def test_decode_graph_replay_with_new_rows(gpu: torch.device) -> None:
         ("c4a", 512, 16),
         ("c1a", 8, 8),  # DeepSeek-V4.1's top-k layers
         ("c2a", 64, 16),
+        ("c4a", 2, 64),  # DP attention's heads
     ):
         case = _case(layer, tokens, 2 if tokens > 2 else 1, heads, gpu)
         T, H, _ = case.q.shape
@@ -117,11 +135,11 @@ def test_decode_graph_replay_with_new_rows(gpu: torch.device) -> None:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            _call(case, gpu, out=out, lse=lse)
+            _call(case, gpu, out=out, lse=lse, policy=policy)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            _call(case, gpu, out=out, lse=lse)
+            _call(case, gpu, out=out, lse=lse, policy=policy)
         for _ in range(2):
             fresh = _case(layer, tokens, 2 if tokens > 2 else 1, heads, gpu, hole_fraction=0.1,
                           empty_tokens=1)  # fmt: skip
@@ -134,13 +152,14 @@ def test_decode_graph_replay_with_new_rows(gpu: torch.device) -> None:
             lse.fill_(float("nan"))
             graph.replay()
             torch.cuda.synchronize()
-            eager = _call(case, gpu)
+            assert not _scratch(gpu).counters.any(), "a replay left a counter set"
+            eager = _call(case, gpu, policy=policy)
             assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
             _sample_check(case, out, lse)
 
 
 @pytest.mark.parametrize("layer", ["c4a", "c128a", "swa", "c1a", "c2a"])
-@pytest.mark.parametrize("heads,tokens", [(8, 1), (16, 2), (8, 64), (16, 512)])
+@pytest.mark.parametrize("heads,tokens", [(8, 1), (16, 2), (8, 64), (16, 512), (64, 4)])
 def test_matches_flashmla_decode(layer: str, heads: int, tokens: int, gpu: torch.device) -> None:
     from benchmarks.flashmla_decode import PaddedFlashMLADecode, load_decode
 
@@ -152,7 +171,8 @@ def test_matches_flashmla_decode(layer: str, heads: int, tokens: int, gpu: torch
     fm = PaddedFlashMLADecode(case.q, pools.swa.cache, None if pools.comp is None else
                               pools.comp.cache, [case.rows], SCALE, case.sink)  # fmt: skip
     fm.call(0)
-    out, lse = _call(case, gpu)
     f_out, f_lse = fm.outputs()
-    torch.testing.assert_close(out.float(), f_out.float(), atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(lse, f_lse, atol=2e-3, rtol=1e-4)
+    for policy in (None, V2, PDL):
+        out, lse = _call(case, gpu, policy=policy)
+        torch.testing.assert_close(out.float(), f_out.float(), atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(lse, f_lse, atol=2e-3, rtol=1e-4)

@@ -190,19 +190,21 @@ def wgmma_runs(
     aligned: bool,
     *,
     split: bool = False,
+    head_blocks: bool = False,
 ) -> bool:
     """Whether a Gluon wgmma kernel runs this call, else the Triton kernel: the one kernel
     choice, of the per-token launch (:mod:`._gluon_sparse_mla`, where ``tiles`` name it
     with ``KERNEL=2``) and of the decode's split launch (``split``: :mod:`._gluon_decode`,
-    unless it failed to build here).  Both need up to 16 heads, FP8 pages with 16-byte
-    aligned rows, a CUDA device of compute capability 9.x and a Triton with Gluon's Hopper
-    API that has not failed to build the per-token kernel."""
+    unless it failed to build here).  Both need FP8 pages with 16-byte aligned rows, a
+    CUDA device of compute capability 9.x and a Triton with Gluon's Hopper API that has
+    not failed to build the per-token kernel, and up to 16 heads, except the split launch
+    with ``head_blocks`` (more heads in blocks of 16)."""
     if split:
         if SPLIT_BROKEN:
             return False
     elif tiles.get("KERNEL", 0) != 2:
         return False
-    if not paged or not aligned or q.shape[1] > WGMMA_MAX_HEADS:
+    if not paged or not aligned or (q.shape[1] > WGMMA_MAX_HEADS and not (split and head_blocks)):
         return False
     return bool(_wgmma_state()._hopper_runs_wgmma(q.device))
 
@@ -397,6 +399,18 @@ def launch_wgmma(
     return launch_gluon(wgmma, g.compiled_variants, record, "sparse MLA", stacklevel=4)
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitMerge:
+    """Where the decode's split kernel merges its chunks itself (the fused combine): the
+    call's ``out`` and ``lse``, the sink (or None) and the int32 arrival counters (zero
+    between calls, one per token and head block)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    sink: torch.Tensor | None
+    counters: torch.Tensor
+
+
 def launch_split(
     q: torch.Tensor,
     po: torch.Tensor,
@@ -406,10 +420,19 @@ def launch_split(
     scale: float,
     splits: int,
     chunk: int,
+    merge: SplitMerge | None = None,
+    head_blocks: bool = False,
+    reg_a_h16: bool = False,
+    pdl: bool = False,
 ) -> None:
     """The decode's split kernels (inputs already validated): one program per (token,
-    chunk) writing the chunk's partial output ``po`` and base-2 lse ``plse``, the wgmma
-    kernel where :func:`wgmma_runs` (``split``), else the Triton kernel."""
+    chunk, head block) writing the chunk's partial output ``po`` and base-2 lse ``plse``
+    and, with ``merge``, the last chunk of each (token, head block) merging them into
+    ``merge.out`` and ``merge.lse``; the wgmma kernel where :func:`wgmma_runs`
+    (``split``; ``head_blocks``: more than 16 heads in blocks of 16; ``reg_a_h16``: the
+    register ``S`` operand at 9-16 heads too), else the Triton kernel.  ``pdl``: each
+    program signals, once its partial is stored, that a programmatic dependent launch
+    (the combine) may start."""
     T, H, _ = q.shape
     a, b = _sources(keys)
     args = (
@@ -417,31 +440,41 @@ def launch_split(
         a.page_stride, a.num_slots, b.rows.stride(0), b.width if keys.comp is not None else 0,
         b.page_stride, b.num_slots, q.stride(0), q.stride(1), scale * LOG2E,
     )  # fmt: skip
+    if merge is None:  # unused pointers and strides (FUSED is off)
+        fused: tuple[Any, ...] = (plse, po, plse, plse, 0, 0, 0)
+    else:
+        out, lse = merge.out, merge.lse
+        sink = merge.sink if merge.sink is not None else plse
+        fused = (merge.counters, out, lse, sink, out.stride(0), out.stride(1), lse.stride(0))
+    flags = dict(FUSED=merge is not None, HAS_SINK=merge is not None and merge.sink is not None,
+                 PDL=pdl)  # fmt: skip
     sources = _source_meta(keys)
     tiles = tiles_for(H)
     aligned = keys.aligned
-    if wgmma_runs(q, tiles, True, aligned, split=True):
+    if wgmma_runs(q, tiles, True, aligned, split=True, head_blocks=head_blocks):
         from . import _gluon_decode as g
 
         hp = 8 if H <= 8 else 16
-        nreg = tiles.get("MAXNREG_H8") if hp == 8 else None
+        wt = tiles_for(min(H, WGMMA_MAX_HEADS))  # a head block's tiles
+        nreg = wt.get("MAXNREG_H8") if hp == 8 else None
+        blocks = triton.cdiv(H, hp)
+        reg_a = bool(wt.get("REG_A_H8", 0)) if hp == 8 else reg_a_h16
 
         def wgmma() -> None:
-            g._decode_split_wgmma_kernel[(T * splits,)](
-                *args, **sources, HT=hp, ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
-                REG_A=bool(tiles.get("REG_A_H8", 0)) and hp == 8,
-                IO_VEC=whole_vectors(q, q), num_warps=4,
+            g._decode_split_wgmma_kernel[(T * splits * blocks,)](
+                *args, blocks, *fused, **sources, HT=hp, ASYNC_PV=bool(wt.get("ASYNC_PV", 0)),
+                REG_A=reg_a, IO_VEC=whole_vectors(q, q), **flags, num_warps=4,
                 **({"maxnreg": nreg} if nreg else {}),
             )  # fmt: skip
 
         if launch_gluon(wgmma, g.compiled_variants, SPLIT_BROKEN, "decode", stacklevel=3):
             return
     bh = block_h(H, tiles["MAX_BLOCK_H"])
-    head_blocks = triton.cdiv(H, bh)
-    _kd._decode_split_kernel[(T * splits * head_blocks,)](
-        *args, **sources, ALIGNED=aligned, HEAD_BLOCKS=head_blocks,
+    head_count = triton.cdiv(H, bh)
+    _kd._decode_split_kernel[(T * splits * head_count,)](
+        *args, *fused, **sources, ALIGNED=aligned, HEAD_BLOCKS=head_count,
         BLOCK_H=bh, BLOCK_N=tiles["BLOCK_N"], DOT_FP32=interpreter_enabled(),
         PREFETCH=bool(tiles["PREFETCH"]), BF16_DEQUANT=bool(tiles["BF16_DEQUANT"])
-        and not interpreter_enabled(), num_warps=tiles["NUM_WARPS"],
+        and not interpreter_enabled(), **flags, num_warps=tiles["NUM_WARPS"],
         num_stages=tiles["NUM_STAGES"],
     )  # fmt: skip
