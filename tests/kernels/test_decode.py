@@ -18,13 +18,8 @@ from ._decode_oracle import check, oracle
 SCALE = 512**-0.5
 
 
-# the combine fused into the split kernel at every size (decode v2)
-FUSED = {"FUSED_MAX_TOKENS": 1 << 20, "FUSED_MAX_SPLITS": 1 << 20}
-
-
 def _run(case: td.DecodeCase, scratch: dk.DecodeScratch, num_splits: int | None,
-         sink: torch.Tensor | None = None,
-         policy: dict[str, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+         sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     T, H, _ = case.q.shape
     out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=case.q.device)
     lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=case.q.device)
@@ -33,7 +28,7 @@ def _run(case: td.DecodeCase, scratch: dk.DecodeScratch, num_splits: int | None,
     r = case.rows
     return dk.sparse_mla_decode(case.q, case.pools.swa.cache, r.swa_indices, r.swa_lens, SCALE,
                                 scratch=scratch, out=out, lse=lse, num_splits=num_splits,
-                                policy=policy, **kw)  # fmt: skip
+                                **kw)  # fmt: skip
 
 
 def _scratch(device: torch.device) -> dk.DecodeScratch:
@@ -59,11 +54,6 @@ def test_decode_matches_oracle(layer: str, per_request: int, kernel_device: torc
     for splits in (None, 1, 2, 3):
         out, lse = _run(case, scratch, splits)
         check(out.cpu(), lse.cpu(), (want[0].cpu(), want[1].cpu()))
-    for splits in (2, 3):  # the last chunk of each token merges (no combine launch), twice
-        for _ in range(2):
-            out, lse = _run(case, scratch, splits, policy=FUSED)
-            check(out.cpu(), lse.cpu(), (want[0].cpu(), want[1].cpu()))
-            assert not scratch.counters.any(), "the fused merge left an arrival counter set"
 
 
 def test_decode_sink_all_minus_inf_and_empty_rows(kernel_device: torch.device) -> None:
@@ -76,8 +66,8 @@ def test_decode_sink_all_minus_inf_and_empty_rows(kernel_device: torch.device) -
     sink = torch.full((4,), float("-inf"), device=kernel_device)
     want = oracle(case.q, case.sources(), SCALE, sink)
     assert torch.isneginf(want[1][:2]).all() and torch.isfinite(want[1][2]).all()
-    for splits, policy in ((1, None), (3, None), (3, FUSED)):
-        out, lse = _run(case, _scratch(kernel_device), splits, sink, policy)
+    for splits in (1, 3):
+        out, lse = _run(case, _scratch(kernel_device), splits, sink)
         check(out.cpu(), lse.cpu(), (want[0].cpu(), want[1].cpu()))
 
 
@@ -153,6 +143,12 @@ def test_split_policy_by_argument_leaves_the_defaults_alone(kernel_device: torch
                              **case.kwargs(r))  # fmt: skip
     check(a[0], a[1], oracle(case.q, case.sources(), SCALE, case.sink))
     check(b[0], b[1], oracle(case.q, case.sources(), SCALE, case.sink))
+    # decode v2's launch switches (PDL and the head-block wgmma kernel act on Hopper only:
+    # never under the interpreter or on a CPU)
+    assert not dec._pdl_runs(torch.device("cpu"))
+    c = dk.sparse_mla_decode(*args, scratch=scratch, policy={"PDL": 0, "HEAD_BLOCKS": 0},
+                             **case.kwargs(r))  # fmt: skip
+    check(c[0], c[1], oracle(case.q, case.sources(), SCALE, case.sink))
     assert before == dec.DECODE_TILES
     for bad, match in (({"SPLITS": 2}, "unknown entries"), ({"NOSPLIT_DIV": -1}, "NOSPLIT_DIV"),
                        ({"NOSPLIT_DIV": 1.5}, "NOSPLIT_DIV"), ([1], "mapping")):  # fmt: skip
@@ -163,15 +159,10 @@ def test_split_policy_by_argument_leaves_the_defaults_alone(kernel_device: torch
 def test_decode_scratch_sizes_and_buffer() -> None:
     sizes = dk.decode_scratch_sizes(8, 16, 640, "cpu")
     assert sizes.partial_out == sizes.partial_rows * 16 * 512
-    assert sizes.counters == 8  # one per token and block of 16 heads
-    assert sizes.total == sizes.partial_out + sizes.partial_lse + 8 * 16 + 8
-    assert dk.DecodeScratchSizes(1, 17, 3).counters == 6
-    buf = torch.full((sizes.total + 5,), float("nan"))  # a reused buffer: junk in it
+    assert sizes.total == sizes.partial_out + sizes.partial_lse + 8 * 16
+    buf = torch.zeros(sizes.total + 5)
     s = dk.make_decode_scratch(sizes, "cpu", buffer=buf)
     assert s.partial_out.data_ptr() == buf.data_ptr() and s.lse.numel() == 8 * 16
-    assert s.counters.dtype == torch.int32 and s.counters.numel() == 8
-    assert not s.counters.any(), "the counters start at zero"
-    assert s.counters.data_ptr() == s.lse.data_ptr() + 4 * s.lse.numel()
     with pytest.raises(ValueError, match="buffer"):
         dk.make_decode_scratch(sizes, "cpu", buffer=torch.zeros(sizes.total - 1))
     with pytest.raises(ValueError, match="max_tokens"):

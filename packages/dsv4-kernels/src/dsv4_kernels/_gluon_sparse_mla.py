@@ -209,6 +209,46 @@ def _attend_source(
         src_ptr, idx_row_ptr, lo, length, row_stride, num_rows, SLOTS,
         BN, L_CODE,
     )  # fmt: skip
+    return _attend_gathered(
+        acc, m_i, l_i, q_all, k_all, p_all, src_ptr, idx_row_ptr, lo, length, row_lo, row_hi,
+        row_stride, num_rows, qk_scale, ok, data, scales, SLOTS, BN, HP, L_CODE, L_ROPE, L_MMA,
+        ASYNC_PV, REG_A, PER_ROW,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _attend_gathered(
+    acc,
+    m_i,
+    l_i,
+    q_all,
+    k_all,
+    p_all,
+    src_ptr,
+    idx_row_ptr,
+    lo,
+    length,
+    row_lo,
+    row_hi,
+    row_stride,
+    num_rows,
+    qk_scale,
+    ok,
+    data,
+    scales,
+    SLOTS: gl.constexpr,
+    BN: gl.constexpr,
+    HP: gl.constexpr,
+    L_CODE: gl.constexpr,
+    L_ROPE: gl.constexpr,
+    L_MMA: gl.constexpr,
+    ASYNC_PV: gl.constexpr,
+    REG_A: gl.constexpr,
+    PER_ROW: gl.constexpr,
+):
+    """:func:`_attend_source` with its first tile's index entries already gathered
+    (``ok``, ``data``, ``scales`` of columns ``lo .. lo + BN``, from :func:`_gather`):
+    a caller that issues that load early overlaps it with its own."""
     if ASYNC_PV:  # the loop carries the accumulator of an MMA in flight
         acc = warpgroup_mma_init(acc)
     for start in range(lo, length, BN):

@@ -399,18 +399,6 @@ def launch_wgmma(
     return launch_gluon(wgmma, g.compiled_variants, record, "sparse MLA", stacklevel=4)
 
 
-@dataclasses.dataclass(frozen=True)
-class SplitMerge:
-    """Where the decode's split kernel merges its chunks itself (the fused combine): the
-    call's ``out`` and ``lse``, the sink (or None) and the int32 arrival counters (zero
-    between calls, one per token and head block)."""
-
-    out: torch.Tensor
-    lse: torch.Tensor
-    sink: torch.Tensor | None
-    counters: torch.Tensor
-
-
 def launch_split(
     q: torch.Tensor,
     po: torch.Tensor,
@@ -420,17 +408,13 @@ def launch_split(
     scale: float,
     splits: int,
     chunk: int,
-    merge: SplitMerge | None = None,
     head_blocks: bool = False,
-    reg_a_h16: bool = False,
     pdl: bool = False,
 ) -> None:
     """The decode's split kernels (inputs already validated): one program per (token,
-    chunk, head block) writing the chunk's partial output ``po`` and base-2 lse ``plse``
-    and, with ``merge``, the last chunk of each (token, head block) merging them into
-    ``merge.out`` and ``merge.lse``; the wgmma kernel where :func:`wgmma_runs`
-    (``split``; ``head_blocks``: more than 16 heads in blocks of 16; ``reg_a_h16``: the
-    register ``S`` operand at 9-16 heads too), else the Triton kernel.  ``pdl``: each
+    chunk, head block) writing the chunk's partial output ``po`` and base-2 lse
+    ``plse``; the wgmma kernel where :func:`wgmma_runs` (``split``; ``head_blocks``:
+    more than 16 heads in blocks of 16), else the Triton kernel.  ``pdl``: each
     program signals, once its partial is stored, that a programmatic dependent launch
     (the combine) may start."""
     T, H, _ = q.shape
@@ -440,14 +424,6 @@ def launch_split(
         a.page_stride, a.num_slots, b.rows.stride(0), b.width if keys.comp is not None else 0,
         b.page_stride, b.num_slots, q.stride(0), q.stride(1), scale * LOG2E,
     )  # fmt: skip
-    if merge is None:  # unused pointers and strides (FUSED is off)
-        fused: tuple[Any, ...] = (plse, po, plse, plse, 0, 0, 0)
-    else:
-        out, lse = merge.out, merge.lse
-        sink = merge.sink if merge.sink is not None else plse
-        fused = (merge.counters, out, lse, sink, out.stride(0), out.stride(1), lse.stride(0))
-    flags = dict(FUSED=merge is not None, HAS_SINK=merge is not None and merge.sink is not None,
-                 PDL=pdl)  # fmt: skip
     sources = _source_meta(keys)
     tiles = tiles_for(H)
     aligned = keys.aligned
@@ -458,12 +434,12 @@ def launch_split(
         wt = tiles_for(min(H, WGMMA_MAX_HEADS))  # a head block's tiles
         nreg = wt.get("MAXNREG_H8") if hp == 8 else None
         blocks = triton.cdiv(H, hp)
-        reg_a = bool(wt.get("REG_A_H8", 0)) if hp == 8 else reg_a_h16
 
         def wgmma() -> None:
             g._decode_split_wgmma_kernel[(T * splits * blocks,)](
-                *args, blocks, *fused, **sources, HT=hp, ASYNC_PV=bool(wt.get("ASYNC_PV", 0)),
-                REG_A=reg_a, IO_VEC=whole_vectors(q, q), **flags, num_warps=4,
+                *args, blocks, **sources, HT=hp, ASYNC_PV=bool(wt.get("ASYNC_PV", 0)),
+                REG_A=bool(wt.get("REG_A_H8", 0)) and hp == 8, IO_VEC=whole_vectors(q, q),
+                PDL=pdl, num_warps=4,
                 **({"maxnreg": nreg} if nreg else {}),
             )  # fmt: skip
 
@@ -472,9 +448,9 @@ def launch_split(
     bh = block_h(H, tiles["MAX_BLOCK_H"])
     head_count = triton.cdiv(H, bh)
     _kd._decode_split_kernel[(T * splits * head_count,)](
-        *args, *fused, **sources, ALIGNED=aligned, HEAD_BLOCKS=head_count,
+        *args, **sources, ALIGNED=aligned, HEAD_BLOCKS=head_count,
         BLOCK_H=bh, BLOCK_N=tiles["BLOCK_N"], DOT_FP32=interpreter_enabled(),
         PREFETCH=bool(tiles["PREFETCH"]), BF16_DEQUANT=bool(tiles["BF16_DEQUANT"])
-        and not interpreter_enabled(), **flags, num_warps=tiles["NUM_WARPS"],
+        and not interpreter_enabled(), PDL=pdl, num_warps=tiles["NUM_WARPS"],
         num_stages=tiles["NUM_STAGES"],
     )  # fmt: skip

@@ -21,11 +21,10 @@ block):
   the sink (``o /= 1 + exp(sink - lse)``), and writes ``out`` (bf16) and
   ``lse`` (natural log, without the sink; ``-inf`` and ``out = 0`` for a token
   without a valid key).
-* Or, with ``FUSED``, no second launch: each split program, once its partial is
-  stored, counts its arrival on its (token, head block)'s counter (an int32 of the
-  scratch, zero between calls; release-acquire at GPU scope after a barrier of the
-  program's warps) and the one that arrives last merges every chunk's partial
-  (:func:`_merge_block`, the combine's arithmetic) and sets the counter back to zero.
+* With ``PDL`` (Hopper and later) the combine is launched as a programmatic
+  dependent of the split kernel: each split program signals once its partial is
+  stored, and the combine waits (``griddepcontrol.wait``) for the split kernel's
+  memory before it reads a partial.
 
 Partial row ``r = t * num_splits + s`` holds ``num_heads`` heads: the partial
 outputs are ``[rows, num_heads, 512]`` and the partial lse ``[rows,
@@ -42,8 +41,6 @@ from ._jit_layout import HEAD_DIM
 from ._triton_sparse_mla import SOURCE_RUNTIME_ARGS, _attend_source, _finish, _start_heads
 
 SPLIT_RUNTIME_ARGS = [*SOURCE_RUNTIME_ARGS, "num_splits", "chunk"]
-# the fused merge's arguments (runtime values of both split kernels)
-MERGE_RUNTIME_ARGS = ["out_stride_t", "out_stride_h", "lse_stride_t"]
 
 
 @triton.jit
@@ -56,35 +53,7 @@ def _chunk_range(lo, hi, offset, end):
     return c0, c1
 
 
-@triton.jit
-def _merge_block(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, t, heads, h_ok, num_heads,
-                 num_splits, out_stride_t, out_stride_h, lse_stride_t,
-                 HAS_SINK: tl.constexpr):  # fmt: skip
-    """The fused merge of one (token, head block): every chunk's partial of heads
-    ``heads`` merged as :func:`_decode_combine_kernel` does, ``out`` and ``lse`` written."""
-    d = tl.arange(0, HEAD_DIM)
-    m = tl.full(heads.shape, float("-inf"), tl.float32)
-    l_sum = tl.zeros(heads.shape, tl.float32)
-    acc = tl.zeros((heads.shape[0], HEAD_DIM), tl.float32)
-    for s in range(0, num_splits):
-        prow = (t * num_splits + s) * num_heads + heads
-        lse_s = tl.load(plse_ptr + prow, mask=h_ok, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + d[None, :], mask=h_ok[:, None],
-                    other=0.0, cache_modifier=".cg")  # fmt: skip
-        m_new = tl.maximum(m, lse_s)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(lse_s - m_use)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        l_sum = l_sum * alpha + w
-        m = m_new
-    factor, lse = _finish(m, l_sum, sink_ptr, heads, h_ok, HAS_SINK)
-    o_ptr = out_ptr + t * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h + d[None, :]
-    tl.store(o_ptr, (acc * factor[:, None]).to(tl.bfloat16), mask=h_ok[:, None])
-    tl.store(lse_ptr + t * lse_stride_t + heads, lse, mask=h_ok)
-
-
-@triton.jit(do_not_specialize=[*SPLIT_RUNTIME_ARGS, *MERGE_RUNTIME_ARGS])
+@triton.jit(do_not_specialize=SPLIT_RUNTIME_ARGS)
 def _decode_split_kernel(
     q_ptr,  # [T, H, 512] bf16
     po_ptr,  # [T * num_splits, H, 512] float32 partial outputs
@@ -110,13 +79,6 @@ def _decode_split_kernel(
     q_stride_t,
     q_stride_h,
     qk_scale,  # scale * log2(e)
-    cnt_ptr,  # [T * HEAD_BLOCKS] int32 arrival counters, zero between calls (FUSED)
-    out_ptr,  # [T, H, 512] bf16 (FUSED)
-    lse_ptr,  # [T, H] float32 (FUSED)
-    sink_ptr,  # [H] float32 (FUSED and HAS_SINK)
-    out_stride_t,
-    out_stride_h,
-    lse_stride_t,
     A_SLOTS: tl.constexpr,
     A_HAS_LENS: tl.constexpr,
     HAS_B: tl.constexpr,
@@ -129,8 +91,6 @@ def _decode_split_kernel(
     DOT_FP32: tl.constexpr,
     PREFETCH: tl.constexpr,
     BF16_DEQUANT: tl.constexpr,
-    FUSED: tl.constexpr,  # the last chunk of a (token, head block) merges (no combine launch)
-    HAS_SINK: tl.constexpr,
     PDL: tl.constexpr,  # the combine is a programmatic dependent launch of this kernel
 ):
     pid = tl.program_id(0)
@@ -175,14 +135,6 @@ def _decode_split_kernel(
     tl.store(plse_ptr + prow, lse2, mask=h_ok)
     if PDL:  # this program's partial is stored: the combine may start launching
         gdc_launch_dependents()
-    if FUSED:
-        tl.debug_barrier()  # every warp's partial is stored before the arrival is counted
-        counter = cnt_ptr + t * HEAD_BLOCKS + hb
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            _merge_block(po_ptr, plse_ptr, out_ptr, lse_ptr, sink_ptr, t, heads, h_ok, num_heads,
-                         num_splits, out_stride_t, out_stride_h, lse_stride_t, HAS_SINK)  # fmt: skip
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["num_heads", "num_splits", "out_stride_t", "out_stride_h",
@@ -221,7 +173,10 @@ def _decode_combine_kernel(
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_use)
         w = tl.where(live, tl.exp2(lse_s - m_use), 0.0)
-        o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
+        # not masked by the lse: a chunk without keys stored a zero output, so both loads
+        # are in flight at once (one trip to L2, not two)
+        o = tl.load(po_ptr + prow[:, None] * HEAD_DIM + d[None, :],
+                    mask=(sp < num_splits)[:, None], other=0.0)  # fmt: skip
         acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
         l_sum = l_sum * alpha + tl.sum(w, axis=0)
         m = m_new

@@ -35,7 +35,7 @@ import triton
 
 from . import _sparse_mla_checks as _checks
 from . import _triton_decode as _k
-from ._paged_keys import SplitMerge, check_paged_keys, launch, launch_split
+from ._paged_keys import check_paged_keys, launch, launch_split
 from ._validation import (
     check_out,
     check_positive_int,
@@ -65,13 +65,11 @@ __all__ = [
 # reach ``SHORT_NOSPLIT_PCT`` percent of the target (run 2 of the decode sweep: the
 # combine costs more than half of a two-tile row saves), the multiprocessor count
 # assumed where there is no GPU, and the most partials the combine merges per step
-# (one step for up to 32 chunks).  Decode v2 (issue 32): the combine fused into the split
-# kernel (the last chunk of a token merges) for calls of at most ``FUSED_MAX_TOKENS``
-# tokens and ``FUSED_MAX_SPLITS`` chunks (0: never); ``HEAD_BLOCKS`` (1) runs more than
-# 16 heads (DP attention) on the wgmma split kernel in blocks of 16 heads, else on the
-# Triton kernel; ``REG_A_H16`` (1) takes the register ``S`` operand at 9-16 heads too;
-# ``PDL`` (1) launches the combine as a programmatic dependent of the split kernel, whose
-# programs signal once their partial is stored (Hopper and later, not the interpreter).
+# (one step for up to 32 chunks).  Decode v2 (issue 32, H200 runs in docs/attention.md):
+# ``HEAD_BLOCKS`` (1) runs more than 16 heads (DP attention) on the wgmma split kernel in
+# blocks of 16 heads (0: the Triton kernel); ``PDL`` (1) launches the combine as a
+# programmatic dependent of the split kernel, whose programs signal once their partial is
+# stored (Hopper and later; not the interpreter).
 DECODE_TILES: dict[str, int] = dict(
     TILE_KEYS=64,
     PROGRAMS_PER_SM_H8=3,
@@ -82,11 +80,8 @@ DECODE_TILES: dict[str, int] = dict(
     SHORT_NOSPLIT_PCT=60,
     CPU_SMS=4,
     COMBINE_SPLITS=32,
-    FUSED_MAX_TOKENS=0,
-    FUSED_MAX_SPLITS=0,
-    HEAD_BLOCKS=0,
-    REG_A_H16=0,
-    PDL=0,
+    HEAD_BLOCKS=1,
+    PDL=1,
 )
 
 
@@ -184,11 +179,6 @@ class DecodeScratchSizes:
     max_tokens: int
 
     @property
-    def counters(self) -> int:
-        """The fused combine's int32 arrival counters: one per token and block of 16 heads."""
-        return self.max_tokens * -(-self.max_heads // 16)
-
-    @property
     def partial_out(self) -> int:
         return self.partial_rows * self.max_heads * HEAD_DIM
 
@@ -202,8 +192,8 @@ class DecodeScratchSizes:
 
     @property
     def total(self) -> int:
-        """All four, in float32 elements (``4 * total`` bytes)."""
-        return self.partial_out + self.partial_lse + self.lse + self.counters
+        """All three, in float32 elements (``4 * total`` bytes)."""
+        return self.partial_out + self.partial_lse + self.lse
 
 
 def decode_scratch_sizes(
@@ -241,15 +231,12 @@ def decode_scratch_sizes(
 
 @dataclasses.dataclass
 class DecodeScratch:
-    """Preallocated buffers of a decode call (views are taken per call): float32
-    partials and lse, and the fused combine's int32 arrival counters (zero between
-    calls: each call leaves them as it found them)."""
+    """Preallocated float32 buffers of a decode call (views are taken per call)."""
 
     partial_out: torch.Tensor
     partial_lse: torch.Tensor
     lse: torch.Tensor
     sizes: DecodeScratchSizes
-    counters: torch.Tensor
 
 
 def make_decode_scratch(
@@ -258,18 +245,14 @@ def make_decode_scratch(
     buffer: torch.Tensor | None = None,
 ) -> DecodeScratch:
     """Allocate the scratch (or carve it from ``buffer``: a flat float32 tensor of at
-    least ``sizes.total`` elements on ``device``, e.g. a persistent buffer of vLLM's
-    workspace that nothing else writes).  The counters are zeroed here, once."""
+    least ``sizes.total`` elements on ``device``, e.g. from vLLM's workspace)."""
     if buffer is None:
         buffer = torch.empty(sizes.total, dtype=torch.float32, device=device)
     buf = check_tensor("buffer", buffer, dtype=torch.float32, ndim=1)
     if buf.numel() < sizes.total or (buf.numel() > 1 and buf.stride(0) != 1):
         raise ValueError(f"buffer must be contiguous with >= {sizes.total} float32 elements")
     a, b = sizes.partial_out, sizes.partial_out + sizes.partial_lse
-    c = b + sizes.lse
-    counters = buf[c : c + sizes.counters].view(torch.int32)
-    counters.zero_()
-    return DecodeScratch(buf[:a], buf[a:b], buf[b:c], sizes, counters)
+    return DecodeScratch(buf[:a], buf[a:b], buf[b : b + sizes.lse], sizes)
 
 
 def _check_scratch(scratch: object, T: int, H: int, rows: int, device: torch.device) -> None:
@@ -369,14 +352,9 @@ def sparse_mla_decode(
     rows = T * splits
     po = scratch.partial_out[: rows * H * HEAD_DIM].view(rows, H, HEAD_DIM)
     plse = scratch.partial_lse[: rows * H].view(rows, H)
-    fused = T <= cfg["FUSED_MAX_TOKENS"] and splits <= cfg["FUSED_MAX_SPLITS"]
-    merge = SplitMerge(out, lse, sink, scratch.counters) if fused else None
-    pdl = bool(cfg["PDL"]) and not fused and _pdl_runs(device)
-    launch_split(q, po, plse, keys, scale=scale, splits=splits, chunk=chunk, merge=merge,
-                 head_blocks=bool(cfg["HEAD_BLOCKS"]), reg_a_h16=bool(cfg["REG_A_H16"]),
-                 pdl=pdl)  # fmt: skip
-    if fused:
-        return out, lse
+    pdl = bool(cfg["PDL"]) and _pdl_runs(device)
+    launch_split(q, po, plse, keys, scale=scale, splits=splits, chunk=chunk,
+                 head_blocks=bool(cfg["HEAD_BLOCKS"]), pdl=pdl)  # fmt: skip
     _k._decode_combine_kernel[(T * H,)](
         po, plse, out, lse, sink if sink is not None else plse, H, splits, out.stride(0),
         out.stride(1), lse.stride(0), HAS_SINK=sink is not None,
