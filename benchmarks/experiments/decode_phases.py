@@ -11,7 +11,8 @@ own index rows over the same page pools (larger than L2), median of ``do_bench``
 (which flushes L2 before each replay) per call.
 
 * ``full``: the shipped call (split kernel and combine, or the per-token kernel);
-* ``fused``: the same with the combine fused into the split kernel (decode v2);
+* ``no-pdl``: the same with the combine launched after the split kernel, not as its
+  programmatic dependent (decode v1's launches);
 * ``no-combine``: the split kernel alone (the combine launch left out);
 * ``no-keys``: the split kernel alone without reading a key byte (each tile's codes,
   scales and rope made from its pointers instead, so the dequantisation and both
@@ -36,13 +37,13 @@ from typing import Any
 
 import torch
 
-ABLATIONS = ("full", "fused", "no-combine", "no-keys", "no-index", "empty")
+ABLATIONS = ("full", "no-pdl", "no-combine", "no-keys", "no-index", "empty")
 DEFAULT_CASES = (
     "c4a-flash-tp8-t1,c4a-flash-tp8-t16,c4a-flash-tp8-t256,"
     "c4a-pro-tp8-t1,c4a-pro-tp8-t16,c4a-pro-tp8-t256,"
     "c128a-flash-tp8-t1,c128a-flash-tp8-t16,c128a-flash-tp8-t256"
 )
-FUSED = {"FUSED_MAX_TOKENS": 1 << 20, "FUSED_MAX_SPLITS": 1 << 20}
+NO_PDL = {"PDL": 0}
 
 
 def _patch(kind: str) -> None:
@@ -53,7 +54,7 @@ def _patch(kind: str) -> None:
     from dsv4_kernels import _gluon_sparse_mla as g
     from dsv4_kernels import decode as dec
 
-    if kind in ("full", "fused", "empty"):
+    if kind in ("full", "no-pdl", "empty"):
         return
 
     class _NoLaunch:
@@ -142,7 +143,7 @@ def _time_one(job: tuple[str, str, int]) -> dict[str, Any]:
     q = td.random_q(T, H, generator=g, device=device)
     sink = td.random_sink(H, generator=g, device=device)
     case_ = td.DecodeCase(q, sink, pool, sets[-1], shape.per_request)
-    policy = FUSED if kind == "fused" else None
+    policy = NO_PDL if kind == "no-pdl" else None
     sizes = dk.decode_scratch_sizes(T, H, 128 + max(cd.C128A_WIDTH, 1024), device)
     scratch = dk.make_decode_scratch(sizes, device)
     out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=device)
@@ -173,7 +174,7 @@ def phases(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             continue
         out[case] = {
             "total": t["full"],
-            "fused total": t.get("fused", float("nan")),
+            "total without PDL": t.get("no-pdl", float("nan")),
             "launch": empty,
             "math, q, stores": t["no-index"] - empty,
             "index load": t["no-keys"] - t["no-index"],
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(r), flush=True)
                 rows.append(r)
     table = phases(rows)
-    cols = ["total", "fused total", "launch", "math, q, stores", "index load", "key load",
+    cols = ["total", "total without PDL", "launch", "math, q, stores", "index load", "key load",
             "combine"]  # fmt: skip
     lines = ["| case | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for case, t in table.items():
