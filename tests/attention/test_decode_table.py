@@ -15,7 +15,7 @@ from dsv4_attention import policy, tables
 from dsv4_attention.tables import DecodeTable
 
 ROOT = Path(__file__).resolve().parents[2]
-CURATED = ROOT / "docs" / "results" / "h200-decode" / "decode_table.json"
+CURATED = ROOT / "docs" / "results" / "h200-decode-v2" / "decode_table.json"
 # DeepSeek-V4.1's top-k layers (c1a, c2a), measured on V4.1's pages (issue 30)
 CURATED_V41 = ROOT / "docs" / "results" / "h200-issue30" / "v41-decode" / "decode_table.json"
 
@@ -32,14 +32,15 @@ def test_table_is_the_curated_measurement() -> None:
     ratios (rounded to 2 decimals); rows above the limit are left out."""
     curated = {**json.loads(CURATED.read_text()), **json.loads(CURATED_V41.read_text())}
     raw = _h200_file()["decode"]
-    assert raw["max_heads"] == dt.H200.max_heads == 16
+    assert raw["max_heads"] == dt.H200.max_heads == 64
     assert raw["min_ratio"] == dt.H200.min_ratio == 1.0
     want_rows = {
         tuple(key.split("/")) for key in curated if int(key.split("/")[1]) <= raw["max_heads"]
     }
     got_rows = {(layer, str(h)) for layer, by in raw["ratios"].items() for h in by}
     kinds = ("swa", "c4a", "c128a", "c1a", "c2a")
-    assert got_rows == want_rows == {(k, h) for k in kinds for h in ("8", "16")}
+    dp = {(k, "64") for k in ("swa", "c4a", "c128a")}  # DP attention: V4's kinds
+    assert got_rows == want_rows == {(k, h) for k in kinds for h in ("8", "16")} | dp
     for layer, heads in sorted(want_rows):
         measured = curated[f"{layer}/{heads}"]
         steps = raw["ratios"][layer][heads]
@@ -57,15 +58,30 @@ def test_table_is_the_curated_measurement() -> None:
 
 def test_curated_h200_steps_are_all_faster() -> None:
     """On the H200 every measured step at 8 and 16 heads was faster (what the plugin's
-    H200 decisions rest on), so every step size up to the largest and beyond takes ours."""
+    H200 decisions rest on), so every step size up to the largest and beyond takes ours;
+    at 17-64 heads (DP attention, the 64-head row) only the small steps measured faster
+    do, and V4.1's kinds (not measured there) never."""
     for layer in ("swa", "c4a", "c128a", "c1a", "c2a"):
         for heads in (1, 8, 9, 16):
             row = dt.H200.row(layer, heads)
             assert row is not None
             assert dt.faster_steps(layer, heads) == tuple(sorted(row))
             assert all(dt.use_head_exact_decode(layer, heads, t) for t in range(1, 2049))
-        assert not dt.use_head_exact_decode(layer, 17, 1)
-        assert not dt.use_head_exact_decode(layer, 64, 1)
+        assert not dt.use_head_exact_decode(layer, 65, 1)
+        assert not dt.use_head_exact_decode(layer, 128, 1)
+    for layer in ("c1a", "c2a"):
+        assert not any(dt.use_head_exact_decode(layer, h, 1) for h in (17, 32, 64))
+    curated = json.loads(CURATED.read_text())
+    for layer in ("swa", "c4a", "c128a"):
+        ratios = curated[f"{layer}/64"]["ratios"]
+        faster = [int(t) for t, r in ratios.items() if r > 1.0]
+        # the measured faster steps are the smallest ones: ours from 1 token up to the
+        # largest of them, FlashMLA from the first slower one
+        last = max(faster)
+        assert sorted(faster) == [int(t) for t in sorted(ratios, key=int) if int(t) <= last]
+        for heads in (17, 32, 64):
+            taken = [t for t in range(1, 2049) if dt.use_head_exact_decode(layer, heads, t)]
+            assert taken == list(range(1, last + 1)), (layer, heads, taken[-3:])
 
 
 HAND = DecodeTable(
@@ -93,6 +109,9 @@ def test_bracketing_rule_and_heads() -> None:
     assert not use("swa", 12, 32)  # 12 heads: row 16
     assert use("swa", 12, 100)
     assert not use("swa", 17, 64)  # more than the table's head limit: never
+    dp = DecodeTable(True, 64, 1.0, {"swa": {8: {1: 1.2}, 64: {1: 1.3, 8: 0.9}}})
+    assert use("swa", 17, 1, dp) and use("swa", 64, 1, dp)  # 17-64 heads: the 64-head row
+    assert not use("swa", 17, 8, dp) and not use("swa", 65, 1, dp)
     assert not use("swa", 0, 64)
     assert not use("c4a", 8, 64) and not use(4, 8, 64)  # unmeasured layer kind
     assert not use(2, 8, 64)  # not a DSV4 layer kind

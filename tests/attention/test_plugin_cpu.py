@@ -183,7 +183,9 @@ def test_head_limits_follow_the_measured_table(
 @pytest.mark.parametrize("device", sorted(DEVICES))
 def test_decode_follows_the_measured_table(device: str) -> None:
     """The decode is ours at up to 16 local heads where the table has the GPU and the
-    Gluon kernel builds; the switch keeps vLLM's; unknown layer kinds are never ours."""
+    Gluon kernel builds, and at 17-64 (DP attention) at the small steps measured faster
+    there; more than 64 never; the switch keeps vLLM's; unknown layer kinds are never
+    ours."""
     dev = DEVICES[device]
     table = tables.table_for(dev.name, dev.capability)
     measured = device in ("hopper", "h100")
@@ -193,7 +195,13 @@ def test_decode_follows_the_measured_table(device: str) -> None:
             assert choice.ours is measured, (ratio, heads, choice)
             if measured:
                 assert choice.reason == "at the step sizes measured faster (11 of 11)"
-        wide = policy.decode_choice(_facts(17, ratio), dev, table, Switches())
+        for heads in (17, 64):  # the 64-head row: its first steps measured faster
+            dp = policy.decode_choice(_facts(heads, ratio), dev, table, Switches())
+            assert dp.ours is measured, (ratio, heads, dp)
+            if measured:
+                assert dp.reason.startswith("at the step sizes measured faster (")
+                assert not dp.reason.endswith("(9 of 9)"), dp.reason  # not all of them
+        wide = policy.decode_choice(_facts(65, ratio), dev, table, Switches())
         assert not wide.ours
         off = policy.decode_choice(_facts(8, ratio), dev, table, Switches(decode_disable=True))
         assert not off.ours and off.reason == "DSV4_DECODE_DISABLE=1"

@@ -3,14 +3,16 @@
 The data lives in ``tables/NVIDIA_H200.json`` (``dsv4_attention.tables``):
 ``decode.ratios[layer][heads][tokens]`` is FlashMLA's time over ours (above 1:
 ours is faster) for a decode step of ``tokens`` query tokens, from the curated
-H200 run in ``docs/results/h200-decode/`` (run 3 at fa69732: the final kernel
-code, measured beside FlashMLA in one run): both under CUDA graphs on the same
-FP8 pages, 131,072-token contexts, FlashMLA padded to 64 heads as vLLM runs it.
-Where the matrix also measured the step as 2 tokens per request (MTP), the
-smaller of the two ratios is kept.  The rule that turns it into a choice per
-step is :func:`dsv4_attention.policy.decode_faster`.  Regenerate the table from a
-new run's ``decode_table.json`` (written by ``python -m benchmarks.kernels --only
-sparse_mla_decode``) and name the run in its ``source``.
+H200 run in ``docs/results/h200-decode-v2/`` (issue 32's decode v2 at 30607ea,
+measured beside FlashMLA in one run; V4.1's rows from ``docs/results/h200-issue30``):
+both under CUDA graphs on the same FP8 pages, 131,072-token contexts, FlashMLA padded
+to 64 heads as vLLM runs it; rows at 8, 16 and 64 heads (DP attention).  Where the
+matrix also measured the step as 2 tokens per request (MTP), the smaller of the two
+ratios is kept.  The rule that turns it into a choice per step is
+:func:`dsv4_attention.policy.decode_faster`.  Regenerate the table from new runs'
+``decode_table.json`` (written by ``python -m benchmarks.cases_decode --out DIR``)
+with ``python -m benchmarks.support.decode_table TABLE.json RUN.json...`` and name
+the runs in its ``source``.
 """
 
 from __future__ import annotations

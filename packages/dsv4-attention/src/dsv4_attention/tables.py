@@ -61,12 +61,14 @@ class DecodeTable:
 
     def row(self, layer: str | int, heads: int) -> Mapping[int, float] | None:
         """The measured steps of a layer kind (``"c4a"``, V4.1's ``"c1a"``, or a V4 ratio) at
-        ``heads`` local heads (looked up by the kernel's MMA width: 8 rows up to 8 heads, 16 up
-        to 16); None where nothing was measured."""
+        ``heads`` local heads, looked up by the kernel's MMA width: the 8-head row up to 8
+        heads, the 16-head row up to 16, the 64-head row (DP attention: blocks of 16 heads)
+        up to 64, where the table has it (FlashMLA pads every count up to 64 to 64 heads,
+        and ours costs at most its 64-head time there); None where nothing was measured."""
         name = LAYER_NAMES.get(layer, "") if isinstance(layer, int) else layer
         if name not in self.ratios or not 1 <= heads <= self.max_heads:
             return None
-        return self.ratios[name].get(8 if heads <= 8 else 16)
+        return self.ratios[name].get(8 if heads <= 8 else 16 if heads <= 16 else 64)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 Same contract as :func:`dsv4_kernels.sparse_mla_paged` (window slots + compressed
 slots per token, ``-1`` holes, lengths, per-head sink, lse without the sink, a
 token with no valid key gives ``out = 0`` and ``lse = -inf``), for decode steps:
-few query tokens (1-4 per request for MTP and DSpark, each with its own rows)
-and head-exact at 1-16 heads.
+few query tokens (1-4 per request for MTP and DSpark, each with its own rows),
+head-exact at 1-16 heads (TP8) and at DP attention's 64 or 128.
 
 With few tokens one program per token would leave the GPU idle, so each token's
 column list (its ``a_width`` window columns, then its ``b_width`` compressed
@@ -18,10 +18,11 @@ the prefill kernel runs as it is (one program per token, no partials).  Nothing
 is allocated in a call that is given ``out`` and a scratch: it can be captured
 in a CUDA graph and replayed with new indices and lengths in the same buffers.
 
-CUDA on Hopper runs the Gluon wgmma split kernel (:mod:`._gluon_decode`) at up to
-16 heads; other GPUs, more heads and Triton's interpreter run the Triton split
-kernel (:mod:`._triton_decode`); CPU tensors without the interpreter run the
-torch reference (:func:`dsv4_kernels.reference.sparse_mla_decode`).
+CUDA on Hopper runs the Gluon wgmma split kernel (:mod:`._gluon_decode`), more than
+16 heads in blocks of 16, and launches the combine as the split kernel's programmatic
+dependent; other GPUs and Triton's interpreter run the Triton split kernel
+(:mod:`._triton_decode`); CPU tensors without the interpreter run the torch
+reference (:func:`dsv4_kernels.reference.sparse_mla_decode`).
 """
 
 from __future__ import annotations
