@@ -94,8 +94,10 @@ def _patch(kind: str) -> None:
         return
 
     @gluon.jit
-    def gather_without_index(src_ptr, idx_row_ptr, start, length, row_stride, num_rows,
-                             SLOTS: gl.constexpr, BN: gl.constexpr, L_CODE: gl.constexpr):  # fmt: skip
+    def gather_without_index(
+        src_ptr, idx_row_ptr, start, length, row_stride, num_rows,
+        SLOTS: gl.constexpr, BN: gl.constexpr, L_CODE: gl.constexpr,
+    ):  # fmt: skip
         n = gl.arange(0, BN, layout=gl.SliceLayout(1, L_CODE))
         col = start + n
         idx = col.to(gl.int64)
@@ -156,8 +158,8 @@ def _time_one(job: tuple[str, str, int]) -> dict[str, Any]:
 
     replay = cd._graph([lambda r=r: call(r) for r in sets], device)
     ms = triton.testing.do_bench(replay, rep=rep, return_mode="median")
-    splits = dk.decode.decode_splits(T, H, 128, 0 if sets[-1].comp_indices is None
-                                     else sets[-1].comp_indices.shape[1], dk.decode.num_sms(device))  # fmt: skip
+    b_width = 0 if sets[-1].comp_indices is None else sets[-1].comp_indices.shape[1]
+    splits = dk.decode.decode_splits(T, H, 128, b_width, dk.decode.num_sms(device))
     return dict(case=case, ablation=kind, us=ms * 1e3 / cd.ROTATE, splits=splits[0])
 
 

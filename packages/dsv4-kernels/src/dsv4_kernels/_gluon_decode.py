@@ -39,6 +39,7 @@ from ._gluon_sparse_mla import (
 from ._jit_layout import HEAD_DIM
 from ._triton_decode import SPLIT_RUNTIME_ARGS
 
+
 @gluon.jit
 def _clip(lo, hi, offset, end):
     """The source's own columns ``[c0, c1)`` of chunk ``[lo, hi)`` (see _triton_decode)."""

@@ -114,7 +114,8 @@ def _pdl_runs(device: torch.device) -> bool:
     capability 9.0 or later (host query, cached), not Triton's interpreter."""
     if device.type != "cuda" or interpreter_enabled():
         return False
-    return _device_cc(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_cc(index) >= 9
 
 
 @functools.cache
