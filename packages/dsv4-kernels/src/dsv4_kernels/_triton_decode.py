@@ -35,7 +35,14 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # Triton's grid dependency control (programmatic dependent launch)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:  # an older Triton: the decode never asks for PDL (decode._pdl_runs)
+    gdc_launch_dependents = gdc_wait = None  # type: ignore[assignment]
+    HAS_GDC = False
 
 from ._jit_layout import HEAD_DIM
 from ._triton_sparse_mla import SOURCE_RUNTIME_ARGS, _attend_source, _finish, _start_heads

@@ -111,8 +111,9 @@ def _policy(policy: DecodePolicy | None) -> Mapping[str, int]:
 
 def _pdl_runs(device: torch.device) -> bool:
     """Whether a programmatic dependent launch can run here: a CUDA device of compute
-    capability 9.0 or later (host query, cached), not Triton's interpreter."""
-    if device.type != "cuda" or interpreter_enabled():
+    capability 9.0 or later (host query, cached), not Triton's interpreter, a Triton with
+    grid dependency control."""
+    if device.type != "cuda" or interpreter_enabled() or not _k.HAS_GDC:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_cc(index) >= 9
