@@ -41,7 +41,7 @@ try:  # Triton's grid dependency control (programmatic dependent launch)
 
     HAS_GDC = True
 except ImportError:  # an older Triton: the decode never asks for PDL (decode._pdl_runs)
-    gdc_launch_dependents = gdc_wait = None  # type: ignore[assignment]
+    gdc_launch_dependents = gdc_wait = None
     HAS_GDC = False
 
 from ._jit_layout import HEAD_DIM
