@@ -3,7 +3,8 @@
 Matrix: tokens per step 1, 2, 4, ..., 1,024 (one token per request) plus MTP steps
 of 2 tokens per request; V4-Flash TP8 (8 heads, top-k 512) and V4-Pro TP8 (16 heads,
 top-k 1,024) on C4A, C128A (1,024 compressed entries: a 131,072-token context) and
-SWA-only layers; V4-Flash DP (64 heads) on C4A, reported.  Every request is at a
+SWA-only layers; V4-Flash DP attention (64 heads) on the same three kinds at 1-1,024
+tokens (the H200 table's 64-head rows, issue 32).  Every request is at a
 131,072-token context: 128 window keys, plus 512 / 1,024 C4A or 1,024 C128A keys.
 Rows come from :mod:`dsv4_kernels.testing.decode` over page pools of 150-600 MB
 (random pages: each call's keys are cold after do_bench's L2 flush).
