@@ -30,7 +30,7 @@ from ._gluon_sparse_mla import (
     L_CODE_REG_A,
     L_CODE_ROWS,
     L_ROPE_ROWS,
-    _attend_gathered,
+    _attend_source,
     _gather,
     _rows,
     _shared_buffers,
@@ -105,7 +105,7 @@ def _decode_split_wgmma_kernel(
     if A_HAS_LENS:  # the columns past the token's length are not keys
         a0, a1 = _clip(lo, hi, 0, gl.maximum(gl.minimum(a_len, a_width), 0))
         a_ok = a_ok & (a0 + n < a1)
-    acc, m_i, l_i = _attend_gathered(
+    acc, m_i, l_i = _attend_source(
         acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride,
         a0, a1, a1, a1, a_row_stride, a_num_rows, qk_scale, a_ok, a_data, a_scales, A_SLOTS,
         BN, HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
@@ -114,7 +114,7 @@ def _decode_split_wgmma_kernel(
         if B_HAS_LENS:
             b0, b1 = _clip(lo, hi, a_width, gl.maximum(gl.minimum(b_len, b_width), 0))
             b_ok = b_ok & (b0 + n < b1)
-        acc, m_i, l_i = _attend_gathered(
+        acc, m_i, l_i = _attend_source(
             acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
             b0, b1, b1, b1, b_row_stride, b_num_rows, qk_scale, b_ok, b_data, b_scales, B_SLOTS,
             BN, HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,

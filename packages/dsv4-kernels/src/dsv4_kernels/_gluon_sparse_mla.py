@@ -191,48 +191,6 @@ def _attend_source(
     row_stride,
     num_rows,
     qk_scale,
-    SLOTS: gl.constexpr,
-    BN: gl.constexpr,
-    HP: gl.constexpr,
-    L_CODE: gl.constexpr,
-    L_ROPE: gl.constexpr,
-    L_MMA: gl.constexpr,
-    ASYNC_PV: gl.constexpr,
-    REG_A: gl.constexpr,
-    PER_ROW: gl.constexpr,
-):
-    """Online softmax over columns ``lo .. length`` of one key source (tiles of ``BN``
-    keys).  With ``PER_ROW`` column ``j`` counts for row ``r`` (a token's head) only where
-    ``row_lo[r] <= j < row_hi[r]``.  With ``ASYNC_PV`` the ``P V`` product of a tile runs
-    while the next tile's bytes are loaded."""
-    ok, data, scales = _gather(
-        src_ptr, idx_row_ptr, lo, length, row_stride, num_rows, SLOTS,
-        BN, L_CODE,
-    )  # fmt: skip
-    return _attend_gathered(
-        acc, m_i, l_i, q_all, k_all, p_all, src_ptr, idx_row_ptr, lo, length, row_lo, row_hi,
-        row_stride, num_rows, qk_scale, ok, data, scales, SLOTS, BN, HP, L_CODE, L_ROPE, L_MMA,
-        ASYNC_PV, REG_A, PER_ROW,
-    )  # fmt: skip
-
-
-@gluon.jit
-def _attend_gathered(
-    acc,
-    m_i,
-    l_i,
-    q_all,
-    k_all,
-    p_all,
-    src_ptr,
-    idx_row_ptr,
-    lo,
-    length,
-    row_lo,
-    row_hi,
-    row_stride,
-    num_rows,
-    qk_scale,
     ok,
     data,
     scales,
@@ -246,9 +204,12 @@ def _attend_gathered(
     REG_A: gl.constexpr,
     PER_ROW: gl.constexpr,
 ):
-    """:func:`_attend_source` with its first tile's index entries already gathered
-    (``ok``, ``data``, ``scales`` of columns ``lo .. lo + BN``, from :func:`_gather`):
-    a caller that issues that load early overlaps it with its own."""
+    """Online softmax over columns ``lo .. length`` of one key source (tiles of ``BN``
+    keys), from the first tile's index entries as :func:`_gather` returns them (``ok``,
+    ``data``, ``scales`` of columns ``lo .. lo + BN``: the caller issues that load, as
+    early as it can).  With ``PER_ROW`` column ``j`` counts for row ``r`` (a token's head)
+    only where ``row_lo[r] <= j < row_hi[r]``.  With ``ASYNC_PV`` the ``P V`` product of a
+    tile runs while the next tile's bytes are loaded."""
     if ASYNC_PV:  # the loop carries the accumulator of an MMA in flight
         acc = warpgroup_mma_init(acc)
     for start in range(lo, length, BN):
@@ -429,19 +390,24 @@ def _sparse_mla_wgmma_kernel(
         a_end = a_width
         if A_HAS_LENS:
             a_end = gl.minimum(gl.load(a_len_ptr + first), a_width)
+        a_row = a_idx_ptr + first * a_idx_stride
+        ok, data, scales = _gather(a_src_ptr, a_row, 0, a_end, a_row_stride, a_num_rows,
+                                   A_SLOTS, BN, L_CODE)  # fmt: skip
         acc, m_i, l_i = _attend_source(
-            acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + first * a_idx_stride,
-            0, a_end, a_end, a_end, a_row_stride, a_num_rows, qk_scale, A_SLOTS, BN, HP, L_CODE,
+            acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_row, 0, a_end, a_end, a_end,
+            a_row_stride, a_num_rows, qk_scale, ok, data, scales, A_SLOTS, BN, HP, L_CODE,
             L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
         )  # fmt: skip
         if HAS_B:
             b_end = b_width
             if B_HAS_LENS:
                 b_end = gl.minimum(gl.load(b_len_ptr + first), b_width)
+            b_row = b_idx_ptr + first * b_idx_stride
+            ok, data, scales = _gather(b_src_ptr, b_row, 0, b_end, b_row_stride, b_num_rows,
+                                       B_SLOTS, BN, L_CODE)  # fmt: skip
             acc, m_i, l_i = _attend_source(
-                acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr,
-                b_idx_ptr + first * b_idx_stride, 0, b_end, b_end, b_end, b_row_stride,
-                b_num_rows, qk_scale, B_SLOTS, BN, HP,
+                acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_row, 0, b_end, b_end, b_end,
+                b_row_stride, b_num_rows, qk_scale, ok, data, scales, B_SLOTS, BN, HP,
                 L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
             )  # fmt: skip
     else:
@@ -457,22 +423,28 @@ def _sparse_mla_wgmma_kernel(
                 mine = row_ok & (lead == leader)
                 a_lo, a_hi = _row_range(a_len_ptr, a_start_ptr, a_width, ts, mine, A_HAS_LENS,
                                         A_HAS_STARTS)  # fmt: skip
+                a_row = a_idx_ptr + leader * a_idx_stride
+                a0 = gl.min(a_lo, axis=0)
+                a1 = gl.max(a_hi, axis=0)
+                ok, data, scales = _gather(a_src_ptr, a_row, a0, a1, a_row_stride, a_num_rows,
+                                           A_SLOTS, BN, L_CODE)  # fmt: skip
                 acc, m_i, l_i = _attend_source(
-                    acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr,
-                    a_idx_ptr + leader * a_idx_stride, gl.min(a_lo, axis=0),
-                    gl.max(a_hi, axis=0), a_lo, a_hi, a_row_stride, a_num_rows, qk_scale,
-                    A_SLOTS, BN, HP, L_CODE, L_ROPE, L_MMA,
-                    ASYNC_PV, REG_A, True,
+                    acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_row, a0, a1, a_lo,
+                    a_hi, a_row_stride, a_num_rows, qk_scale, ok, data, scales, A_SLOTS, BN,
+                    HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, True,
                 )  # fmt: skip
                 if HAS_B:
                     b_lo, b_hi = _row_range(b_len_ptr, b_start_ptr, b_width, ts, mine,
                                             B_HAS_LENS, B_HAS_STARTS)  # fmt: skip
+                    b_row = b_idx_ptr + leader * b_idx_stride
+                    b0 = gl.min(b_lo, axis=0)
+                    b1 = gl.max(b_hi, axis=0)
+                    ok, data, scales = _gather(b_src_ptr, b_row, b0, b1, b_row_stride,
+                                               b_num_rows, B_SLOTS, BN, L_CODE)  # fmt: skip
                     acc, m_i, l_i = _attend_source(
-                        acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr,
-                        b_idx_ptr + leader * b_idx_stride, gl.min(b_lo, axis=0),
-                        gl.max(b_hi, axis=0), b_lo, b_hi, b_row_stride, b_num_rows, qk_scale,
-                        B_SLOTS, BN, HP, L_CODE, L_ROPE,
-                        L_MMA, ASYNC_PV, REG_A, True,
+                        acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_row, b0, b1, b_lo,
+                        b_hi, b_row_stride, b_num_rows, qk_scale, ok, data, scales, B_SLOTS,
+                        BN, HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, True,
                     )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453
