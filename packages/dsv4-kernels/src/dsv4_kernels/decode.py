@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import triton
@@ -115,18 +116,19 @@ def _pdl_runs(device: torch.device) -> bool:
     grid dependency control."""
     if device.type != "cuda" or interpreter_enabled() or not _k.HAS_GDC:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_cc(index) >= 9
+    return int(_device_properties(device).major) >= 9
 
 
 @functools.cache
-def _device_cc(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).major)
+def _cached_properties(index: int) -> Any:
+    return torch.cuda.get_device_properties(index)
 
 
-@functools.cache
-def _device_sms(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+def _device_properties(device: torch.device) -> Any:
+    """A CUDA device's properties (one host query per device, cached)."""
+    return _cached_properties(
+        device.index if device.index is not None else torch.cuda.current_device()
+    )
 
 
 def num_sms(device: torch.device | str | None = None) -> int:
@@ -134,7 +136,7 @@ def num_sms(device: torch.device | str | None = None) -> int:
     dev = torch.device("cuda" if device is None else device)
     if dev.type != "cuda":
         return DECODE_TILES["CPU_SMS"]
-    return _device_sms(dev.index if dev.index is not None else torch.cuda.current_device())
+    return int(_device_properties(dev).multi_processor_count)
 
 
 def decode_splits(
