@@ -61,10 +61,8 @@ def _patch(kind: str) -> None:
         def __getitem__(self, grid: Any) -> Any:
             return lambda *args, **kwargs: None
 
-    class _NoCombine:
-        _decode_combine_kernel = _NoLaunch()
-
-    dec._k = _NoCombine  # type: ignore[assignment]
+    # this process only (a fresh one per ablation): the combine launch does nothing
+    dec._k._decode_combine_kernel = _NoLaunch()  # type: ignore[assignment]
     if kind == "no-combine":
         return
 
