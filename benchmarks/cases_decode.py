@@ -26,6 +26,9 @@ set of the graph against the float32 reference).  ``floor``: the larger of the
 bytes (584 B and a 4-byte index per valid key, q, out, lse) at the measured copy
 bandwidth and the time per kernel of a graph replaying ``ROTATE`` empty kernels.
 On a CPU (smoke) there are no graphs: tiny steps, wall clock, checks only.
+
+One module past 500 lines: the matrix, the page pools shared by its cases, each
+provider's graph and check, and the summary that reads them belong together.
 """
 
 from __future__ import annotations
