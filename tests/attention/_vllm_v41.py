@@ -299,6 +299,13 @@ class Step:
     num_decodes: int
     positions: torch.Tensor  # [T] int64 positions of the step's tokens
     replay_start: list[int]
+    # window metadata prefix -> the replay start its metadata was built from (where it
+    # differs from the batch's: vLLM's decoder-side replay)
+    layer_replay: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+    def replay_of(self, layer: Any) -> list[int]:
+        """The replay start that bounds this layer's window (its metadata's)."""
+        return self.layer_replay.get(layer.swa_cache_layer.prefix, self.replay_start)
 
     @property
     def total(self) -> int:
@@ -335,11 +342,16 @@ def make_step(
     seq_lens: list[int],
     num_decodes: int,
     replay_start: list[int] | None = None,
+    layer_replay: dict[int, list[int]] | None = None,
 ) -> Step:
     """vLLM's metadata of one step (decodes first): one ``DeepseekSparseSWAMetadata`` per
     window group, one V4.1 ``DeepseekV4FlashMLAMetadata`` per compressed group.
     ``replay_start``: per request, the first position with window KV (SWA bounded
-    replay; zeros when nothing replays)."""
+    replay; zeros when nothing replays).  ``layer_replay``: layer index -> the replay
+    start that layer's window metadata is built from instead (vLLM's decoder-side
+    replay builds the first replay layer's from the batch's and every later one's from
+    ``max(replay_start, seq - window)``, in one forward context); each such layer must
+    be the only one of its window group."""
     from vllm.models.deepseek_v41.sparse_mla import DeepseekV4FlashMLAMetadata
     from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
     from vllm.v1.attention.ops.flashmla import FlashMLASchedMeta
@@ -352,12 +364,16 @@ def make_step(
     T = int(qsl[num_decodes])
     req = torch.arange(len(query_lens)).repeat_interleave(qlen)
     pos = torch.cat([torch.arange(s - q, s) for s, q in zip(seq_lens, query_lens, strict=True)])
-    rs = torch.tensor(replay, dtype=torch.int32)
     by_group: dict[int, Any] = {}
     metadata: dict[str, Any] = {}
+    own = {stack.layers[i].swa_cache_layer.prefix: list(r) for i, r in (layer_replay or {}).items()}
     for layer in stack.layers:
         name = layer.swa_cache_layer.prefix
         group = stack.group_of[name]
+        rs = torch.tensor(own.get(name, replay), dtype=torch.int32)
+        if name in own:
+            alone = [n for n, grp in stack.group_of.items() if grp == group]
+            assert alone == [name], f"{name} shares its window group: {alone}"
         if group not in by_group:
             cache = stack.window_cache(layer)
             block = cache.shape[1]
@@ -427,7 +443,7 @@ def make_step(
                 topk_tokens=TOPK,
             )
         metadata[layer.prefix] = by_group[group]
-    return Step(metadata, list(query_lens), list(seq_lens), num_decodes, pos, replay)
+    return Step(metadata, list(query_lens), list(seq_lens), num_decodes, pos, replay, own)
 
 
 def fill_topk(stack: Stack, step: Step, ratio: int, g: torch.Generator) -> None:
@@ -469,7 +485,7 @@ def reference_rows(
     for t in range(n_tok):
         b = req[t]
         p = step.seq_lens[b] - step.query_lens[b] + (t - first[b])
-        ps = range(max(p - WINDOW + 1, step.replay_start[b], 0), p + 1)
+        ps = range(max(p - WINDOW + 1, step.replay_of(layer)[b], 0), p + 1)
         window[t, : len(ps)] = torch.tensor(
             [int(swa.block_table[b, x // wblock]) * wblock + x % wblock for x in ps]
         )

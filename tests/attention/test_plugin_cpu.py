@@ -395,6 +395,8 @@ class _StepMetadata:
     def __init__(self, seq: list[int], qlen: list[int]) -> None:
         self.prefill_seq_lens_cpu = torch.tensor(seq, dtype=torch.int32)
         self.prefill_query_lens_cpu = torch.tensor(qlen, dtype=torch.int32)
+        self.num_prefills = len(seq)
+        self.num_prefill_tokens = sum(qlen)
 
 
 def _step(seq: list[int], qlen: list[int]) -> object:
@@ -443,7 +445,12 @@ def test_c4a_layers_above_8_heads_follow_the_steps_rows(
         """Whether a fresh runtime's prefill of this layer in this step is ours."""
         log = _Log()
         rt = _runtime(log, device, table, switches)
-        swa = object() if rows is None else _step(*rows)  # object(): no host lengths
+        # no host lengths: vLLM's metadata without them (its batch counts only)
+        swa = (
+            types.SimpleNamespace(block_size=64, num_decodes=0, num_prefills=1, num_prefill_tokens=1)
+            if rows is None
+            else _step(*rows)
+        )
         ratio = layer.compress_ratio
         comp = None if ratio == 1 else _pages(256 // ratio)
         attn = types.SimpleNamespace(block_size=256)

@@ -46,6 +46,7 @@ Long on purpose (over 500 lines): one module per vLLM integration surface, like
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from collections.abc import Iterator
@@ -835,3 +836,61 @@ def test_our_v41_prefill_bounds_the_window_at_replay_start(
     for layer, (out, topk) in zip(stack.layers, results, strict=True):
         want = reference_attention(layer, step, q, heads, topk)
         _close(out[:, :heads], want, f"seed {seed}, {layer.prefix}")
+
+
+def _decoder_replay_step(stack: Stack, g: torch.Generator) -> Step:
+    """A prefill step as vLLM's decoder-side replay runs it (``DeepseekV41ModelState.
+    _prepare_replay_batch``): one forward context whose first layer's window metadata is
+    built from the batch's replay start (here none: 0) and every later layer's from
+    ``max(replay_start, seq - window)`` (the ``_kept_kv_start`` of
+    ``_gather_replay_batch_kernel``), so their gather lengths differ.  The token at 284
+    of the 300-token request reads window positions from 157 in the first layer and from
+    172 in the others."""
+    seqs, qlens = [300, 6], [16, 6]
+    batch = [0, 0]
+    kept = [max(r, s - WINDOW) for r, s in zip(batch, seqs, strict=True)]
+    later = {i: kept for i in range(1, len(stack.layers))}
+    return make_step(stack, g, qlens, seqs, num_decodes=0, replay_start=batch, layer_replay=later)
+
+
+@pytest.mark.parametrize("plugin_on", [True, False], ids=["ours", "vllms"])
+def test_decoder_replay_layers_each_read_their_own_window(
+    plugin_on: bool, vllm_v41: FlashMLACalls, workspace: Any, no_warmup: None
+) -> None:
+    """V4.1's decoder-side replay in one forward context: layers whose window metadata
+    differ only in their window floor (gather lengths) each read exactly their own
+    window, through the plugin (every layer's own rows, no FlashMLA call) and through
+    vLLM's own V4.1 path (FlashMLA answered by the reference), both equal to the
+    reference with each layer's own floor.  (Before rows were keyed by the layer's
+    floor, the layers after the first read the first layer's window: window slots that
+    were not written in that step.)"""
+    seed = fresh_seed()
+    g = generator(seed)
+    heads = 8
+    config = v41_config(heads, bounded_replay=True)
+    env = None if plugin_on else {"DSV4_KERNELS_DISABLE": "1"}
+    with plugin_v41_class(config, env) as cls:
+        stack = build_stack(cls, heads, g=g, config=config)
+        step = _decoder_replay_step(stack, g)
+        floors = {
+            (int(m.prefill_seq_lens[0]) - int(m.prefill_gather_lens[0]))
+            for m in step.metadata.values()
+            if hasattr(m, "prefill_gather_lens")
+        }
+        # two window floors in one forward context: the first layer's window region is
+        # the request's last 16 + 127 tokens (from 157), the others' from 172
+        assert floors == {157, 172}, floors
+        q = _q(step, heads, g)
+        results = _run(stack, step, q, g)
+        if plugin_on:
+            rt: HeadExactRuntime = cls.dsv4_runtime
+            assert all(state.prefill.ours for state in rt.kinds.values()), rt.kinds
+    assert len(vllm_v41.prefill) == (0 if plugin_on else len(stack.layers))
+    for layer, (out, topk) in zip(stack.layers, results, strict=True):
+        where = f"seed {seed}, {layer.prefix}"
+        assert not bool(out[:, :heads].isnan().any()), f"{where}: a real head not written"
+        _close(out[:, :heads], reference_attention(layer, step, q, heads, topk), where)
+        if layer is not stack.layers[0]:  # the floor matters: the first layer's differs
+            first = dataclasses.replace(step, layer_replay={})
+            wrong = reference_attention(layer, first, q, heads, topk)
+            assert (wrong.float() - out[:, :heads].float()).abs().max() > 0.1, where

@@ -24,13 +24,12 @@ layer's ``attn_metadata``: ``block_table[num_decodes:]`` and ``block_size //
 compress_ratio`` of the compressed cache; the indexer's top-k buffer rows of
 the prefill tokens; vLLM's C128A row width).
 
-Not covered; such batches must take vLLM's own prefill: in-image
-bidirectional visibility (vLLM's vision variant, whose window reaches past W
-and ahead of the token; :class:`PrefillPlan` refuses ``left_visible`` /
-``right_visible`` with a ``ValueError``), and SWA bounded replay (a
-DeepSeek-V4.1 feature, whose window starts no earlier than a per-request
-replay position; there is no argument for it here).  Text-only DSV4 batches
-have neither.
+SWA bounded replay (DeepSeek-V4.1: a request's window starts no earlier than a
+per-request position, which differs per layer in vLLM's decoder-side replay) is
+the ``window_floor`` of each layer.  Not covered; such batches must take vLLM's
+own prefill: in-image bidirectional visibility (vLLM's vision variant, whose
+window reaches past W and ahead of the token; :class:`PrefillPlan` refuses
+``left_visible`` / ``right_visible`` with a ``ValueError``).
 
 :func:`reference_forward_prefill` is the same forward in pure torch: the
 reference index rows, then the reference attention, which gathers and
@@ -149,6 +148,8 @@ def forward_prefill(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     group_size: int | None = None,
+    window_floor: torch.Tensor | None = None,
+    window_size: int | None = None,
 ) -> torch.Tensor:
     """Prefill attention of one DSV4 layer on its real heads, reading the FP8 pages.
 
@@ -186,6 +187,11 @@ def forward_prefill(
             :func:`dsv4_kernels.sparse_mla.prefill_group_size` (4 at up to 8
             heads and 2 at 16 on Hopper, else 1: per-token rows).  Top-k rows
             are always per token.
+        window_floor: ``[>= num_reqs]`` int32, this layer's first position with window
+            KV per request (vLLM's ``prefill_seq_lens - prefill_gather_lens`` of the
+            layer's own window metadata); None: the plan's.
+        window_size: this layer's sliding window (its ``window_size``); None: the
+            plan's.
 
     Returns:
         The ``[T, H, 512]`` output (the first ``T`` rows of ``out``).
@@ -212,6 +218,8 @@ def forward_prefill(
         topk_indices=topk_indices,
         c128a_topk=c128a_topk,
         group_size=group_size,
+        window_floor=window_floor,
+        window_size=window_size,
     )
     grouped: dict[str, Any] = {}
     if isinstance(rows, dk.GroupedPrefillIndices):
@@ -252,13 +260,15 @@ def reference_forward_prefill(q: torch.Tensor, plan: PrefillPlan, **layer: Any) 
     is_topk = topk_rows(ratio, topk_indices)
     if is_topk and topk_indices is not None:
         topk = topk_indices.shape[1]
+    floor = plan.window_floor if b["window_floor"] is None else b["window_floor"]
     rows = dk_ref.build_prefill_indices(
         plan.query_start_loc,
         plan.seq_lens,
         num_tokens=T,
         window_block_table=b["swa_block_table"],
         window_block_size=b["swa_block_size"],
-        window_size=plan.window_size,
+        window_size=plan.window_size if b["window_size"] is None else b["window_size"],
+        window_floor=floor,
         compress_ratio=ratio,
         comp_block_table=b["comp_block_table"]
         if has_compressed_rows(ratio, topk_indices)

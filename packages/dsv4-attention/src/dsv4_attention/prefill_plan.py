@@ -35,8 +35,16 @@ def has_compressed_rows(compress_ratio: int, topk_indices: object) -> bool:
     return compress_ratio == 128 or topk_rows(compress_ratio, topk_indices)
 
 
-def _table_key(kind: str, table: torch.Tensor, *extra: int) -> tuple[Any, ...]:
+def _table_key(kind: str, table: torch.Tensor, *extra: Any) -> tuple[Any, ...]:
     return (kind, table.data_ptr(), tuple(table.shape), tuple(table.stride()), *extra)
+
+
+def _floor_key(floor: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """What identifies a window floor among the step's (held alive by the plan, so its
+    address is not another tensor's within the step)."""
+    if floor is None:
+        return None
+    return (floor.data_ptr(), tuple(floor.shape), tuple(floor.stride()))
 
 
 class PrefillPlan:
@@ -44,9 +52,13 @@ class PrefillPlan:
 
     Build one per step (per forward pass) from the step's metadata; the first
     layer of each type builds the shared rows, the others reuse them.  Rows
-    are cached per block table (window cache group, C128A cache group), so
-    layers whose caches sit in different KV-cache groups each get rows through
-    their own block table.  A plan must not outlive its step: it holds the
+    are cached per everything that makes them differ: the block table (window
+    cache group, C128A cache group), the page size, the layer's window and the
+    layer's window floor (:meth:`layer_rows` takes the layer's own), so layers
+    whose caches sit in different KV-cache groups, or whose metadata bound the
+    window differently (DeepSeek-V4.1's decoder-side replay: its first replay
+    layer's window floor is the batch's replay start, every later one's
+    ``max(replay_start, seq - window)``), each get their own rows.  A plan must not outlive its step: it holds the
     block tables it has seen (so their memory cannot be reused for another
     table within the step) and assumes their contents do not change.
 
@@ -69,6 +81,7 @@ class PrefillPlan:
         window_floor: ``[>= num_reqs]`` int32, the first position each request holds
             window KV from (vLLM's SWA bounded replay: ``prefill_seq_lens -
             prefill_gather_lens``); window rows start no lower.  None: position 0.
+            The default of :meth:`layer_rows`, which takes each layer's own.
     """
 
     def __init__(
@@ -99,6 +112,8 @@ class PrefillPlan:
         self.check_values = check_values
         self.window_floor = window_floor
         self._rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # every window floor a layer passed: held so that its address identifies it
+        self._floors: list[torch.Tensor] = []
         # grouped rows: (the block table, to keep it alive; the rows built with it)
         self._grouped: dict[tuple[Any, ...], tuple[torch.Tensor, Any]] = {}
         self.launches = 0  # index-build launches so far (for tests and logs)
@@ -126,13 +141,15 @@ class PrefillPlan:
             self._slots[key] = slot
         return self._slots[key]
 
-    def _window_outs(self, key: tuple[Any, ...], group: int) -> dict[str, torch.Tensor]:
+    def _window_outs(
+        self, key: tuple[Any, ...], group: int, window_size: int
+    ) -> dict[str, torch.Tensor]:
         if self.scratch is None:
             return {}
         slot = self._slot("window", key, self.scratch.spec.window_slots)
         T, take = self.num_tokens, self.scratch.take
         outs = {
-            "window_out": take(f"window{slot}", (T, self.window_size + group - 1)),
+            "window_out": take(f"window{slot}", (T, window_size + group - 1)),
             "window_lens_out": take(f"window{slot}_lens", (T,)),
         }
         if group > 1:
@@ -158,17 +175,34 @@ class PrefillPlan:
             outs["leads_out"] = take(f"c128a{slot}_leads", (T,))
         return outs
 
-    def _build(self, **kwargs: Any) -> dk.PrefillIndices:
+    def _build(
+        self, floor: torch.Tensor | None, window_size: int, **kwargs: Any
+    ) -> dk.PrefillIndices:
         self.launches += 1
         return dk.build_prefill_indices(
             self.query_start_loc,
             self.seq_lens,
             num_tokens=self.num_tokens,
-            window_size=self.window_size,
+            window_size=window_size,
             check_values=self.check_values,
-            window_floor=self.window_floor,
+            window_floor=floor,
             **kwargs,
         )
+
+    def _layer_window(
+        self, window_floor: torch.Tensor | None, window_size: int | None
+    ) -> tuple[torch.Tensor | None, int, tuple[Any, ...]]:
+        """The layer's window floor and size (the plan's where not given) and their key."""
+        floor = self.window_floor if window_floor is None else window_floor
+        size = self.window_size if window_size is None else int(window_size)
+        if size > self.window_size and self.scratch is not None:
+            raise ValueError(
+                f"window_size {size} is wider than the plan's scratch rows "
+                f"({self.window_size}); build the plan with the widest layer window"
+            )
+        if floor is not None and not any(f is floor for f in self._floors):
+            self._floors.append(floor)
+        return floor, size, (size, _floor_key(floor))
 
     def layer_rows(
         self,
@@ -181,8 +215,14 @@ class PrefillPlan:
         topk_indices: torch.Tensor | None = None,
         c128a_topk: int | None = None,
         group_size: int = 1,
+        window_floor: torch.Tensor | None = None,
+        window_size: int | None = None,
     ) -> dk.PrefillIndices | dk.GroupedPrefillIndices:
         """The index rows of one layer: cached window / C128A rows, fresh top-k rows.
+
+        ``window_floor`` and ``window_size`` are the layer's own (its metadata's
+        floor, its ``window_size``); None takes the plan's.  Window rows are cached
+        per block table, page size, window and floor.
 
         At most one launch: a C128A layer whose window and C128A rows are both
         missing builds them together; a C4A layer builds its top-k rows (and
@@ -195,6 +235,7 @@ class PrefillPlan:
             compress_ratio, comp_block_table, comp_block_size, topk_indices, c128a_topk
         )
         topk = topk_rows(compress_ratio, topk_indices)
+        floor, size, wextra = self._layer_window(window_floor, window_size)
         if group_size > 1 and not topk:
             return self._grouped_rows(
                 compress_ratio,
@@ -204,8 +245,11 @@ class PrefillPlan:
                 comp_block_table,
                 comp_block_size,
                 c128a_topk,
+                floor,
+                size,
+                wextra,
             )
-        wkey = _table_key("window", window_block_table, window_block_size)
+        wkey = _table_key("window", window_block_table, window_block_size, *wextra)
         window = self._rows.get(wkey)
         comp = comp_lens = None
         ckey = None
@@ -219,7 +263,7 @@ class PrefillPlan:
 
         need_comp = topk or (compress_ratio == 128 and comp is None)
         if window is None or need_comp:
-            outs = self._window_outs(wkey, 1) if window is None else {}
+            outs = self._window_outs(wkey, 1, size) if window is None else {}
             if need_comp:
                 width = c128a_topk if compress_ratio == 128 else None
                 if width is None:
@@ -227,6 +271,8 @@ class PrefillPlan:
                     width = int(topk_indices.shape[1])
                 outs.update(self._comp_outs(compress_ratio, ckey, width))
             built = self._build(
+                floor,
+                size,
                 **outs,
                 window_block_table=window_block_table if window is None else None,
                 window_block_size=window_block_size,
@@ -256,11 +302,16 @@ class PrefillPlan:
         comp_block_table: torch.Tensor | None,
         comp_block_size: int | None,
         c128a_topk: int | None,
+        floor: torch.Tensor | None,
+        window_size: int,
+        wextra: tuple[Any, ...],
     ) -> dk.GroupedPrefillIndices:
         """Grouped rows of an SWA-only or C128A layer: the window part is cached per
         window table and group size, the C128A part per compressed table too; one
         launch builds whatever is missing."""
-        wkey = _table_key("grouped-window", window_block_table, window_block_size, group_size)
+        wkey = _table_key(
+            "grouped-window", window_block_table, window_block_size, group_size, *wextra
+        )
         ckey = None
         if compress_ratio == 128:
             assert comp_block_table is not None and comp_block_size is not None
@@ -271,7 +322,7 @@ class PrefillPlan:
         window = self._grouped.get(wkey)
         comp = self._grouped.get(ckey) if ckey is not None else None
         if window is None or (ckey is not None and comp is None):
-            outs = self._window_outs(wkey, group_size) if window is None else {}
+            outs = self._window_outs(wkey, group_size, window_size) if window is None else {}
             if ckey is not None and comp is None:
                 assert c128a_topk is not None
                 outs.update(self._comp_outs(128, ckey, c128a_topk, group_size))
@@ -284,12 +335,12 @@ class PrefillPlan:
                 group_size=group_size,
                 window_block_table=window_block_table if window is None else None,
                 window_block_size=window_block_size,
-                window_size=self.window_size,
+                window_size=window_size,
                 comp_block_table=comp_block_table if ckey is not None and comp is None else None,
                 comp_block_size=comp_block_size,
                 topk=c128a_topk if ckey is not None and comp is None else None,
                 check_values=self.check_values,
-                window_floor=self.window_floor,
+                window_floor=floor,
             )
             if window is None:
                 window = (window_block_table, built)

@@ -94,10 +94,35 @@ class KindState:
 
 @dataclass
 class _Step:
+    """One forward pass: its plan (rows shared by the layers that share a table, a
+    window and a window floor) and what is read once per metadata object."""
+
     owner: Any = None  # weakref to the forward context (or metadata) of the step
     dict_id: int | None = None
     plan: Any = None
+    batch: tuple[int, int, int] | None = None  # the plan's (decodes, prefills, tokens)
     mean_keys: dict[tuple[int, int, int], float] = field(default_factory=dict)
+    # id(window metadata) -> (that metadata, held so its id stays its own; its floor)
+    floors: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+
+    def floor(self, swa_metadata: Any) -> Any:
+        """The window floor of this metadata object (computed once per step)."""
+        held = self.floors.get(id(swa_metadata))
+        if held is None or held[0] is not swa_metadata:
+            held = (swa_metadata, vllm_calls.window_floor(swa_metadata))
+            self.floors[id(swa_metadata)] = held
+        return held[1]
+
+    def plan_for(self, swa_metadata: Any, scratch: Any) -> Any:
+        """The step's plan for the batch this metadata describes: one per forward
+        context; a metadata object describing another batch (never seen from vLLM)
+        gets a plan of its own, which takes over the scratch (stream order: the rows
+        of the previous plan were read by the layers launched before)."""
+        batch = vllm_calls.prefill_batch(swa_metadata)
+        if self.plan is None or self.batch != batch:
+            self.plan = vllm_calls.prefill_plan(swa_metadata, scratch)
+            self.batch = batch
+        return self.plan
 
 
 class HeadExactRuntime:
@@ -470,18 +495,17 @@ class HeadExactRuntime:
             ):
                 return False
             step = self._step_state(swa_metadata)
-            if step.plan is None:
-                step.plan = vllm_calls.prefill_plan(swa_metadata, self.prefill_scratch)
             vllm_calls.run_prefill(
                 layer,
                 facts,
-                step.plan,
+                step.plan_for(swa_metadata, self.prefill_scratch),
                 q,
                 compressed_k_cache,
                 swa_k_cache,
                 output,
                 attn_metadata,
                 swa_metadata,
+                step.floor(swa_metadata),
             )
             return True
         except Exception as exc:

@@ -13,10 +13,19 @@ from typing import Any
 
 import torch
 
+from dsv4_kernels.geometry import WINDOW_SIZE
+
 from .facts import LayerFacts
 from .prefill_plan import PrefillPlan
 
-__all__ = ["cache_layout_problem", "prefill_plan", "run_decode", "run_prefill"]
+__all__ = [
+    "cache_layout_problem",
+    "prefill_batch",
+    "prefill_plan",
+    "run_decode",
+    "run_prefill",
+    "window_floor",
+]
 
 # vLLM's names of the cache dtype whose pages are the UE8M0 layout our kernels read
 DSV4_CACHE_DTYPES = ("fp8_ds_mla", "fp8")
@@ -48,23 +57,45 @@ def cache_layout_problem(facts: LayerFacts, cache: Any, slots: int | None, what:
     return None
 
 
+def prefill_batch(swa_metadata: Any) -> tuple[int, int, int]:
+    """The prefill batch a window metadata object describes, from its host fields:
+    (decode requests, prefill requests, prefill tokens).  Every metadata object of one
+    forward context is built from the same batch; a plan is reused only for these."""
+    return (
+        int(swa_metadata.num_decodes),
+        int(swa_metadata.num_prefills),
+        int(swa_metadata.num_prefill_tokens),
+    )
+
+
 def prefill_plan(swa_metadata: Any, scratch: Any) -> PrefillPlan:
-    """The step's plan from vLLM's window metadata (any group's: they share the step)."""
-    num_decodes = int(swa_metadata.num_decodes)
-    num_prefills = int(swa_metadata.num_prefills)
-    seq = swa_metadata.prefill_seq_lens
-    gather = getattr(swa_metadata, "prefill_gather_lens", None)
-    # vLLM's window region of each request: its last ``gather_lens`` tokens.  With SWA
-    # bounded replay (V4.1) a request holds window KV only from its replay start, and
-    # vLLM's rows stop there; otherwise the floor is below every token's window.
-    floor = None if gather is None else (seq[:num_prefills] - gather[:num_prefills]).to(torch.int32)
+    """The step's plan from vLLM's window metadata (any group's: they share the batch).
+    Each layer passes its own window floor (:func:`window_floor`) and window to
+    :meth:`PrefillPlan.layer_rows`; the plan's window is the widest the scratch holds."""
+    num_decodes, num_prefills, num_tokens = prefill_batch(swa_metadata)
     return PrefillPlan(
         swa_metadata.query_start_loc[num_decodes : num_decodes + num_prefills + 1],
-        seq,
-        num_tokens=int(swa_metadata.num_prefill_tokens),
+        swa_metadata.prefill_seq_lens,
+        num_tokens=num_tokens,
         scratch=scratch,
-        window_floor=floor,
+        window_size=WINDOW_SIZE if scratch is None else int(scratch.spec.window_size),
     )
+
+
+def window_floor(swa_metadata: Any) -> torch.Tensor | None:
+    """The first position of each prefill request holding window KV, as this window
+    metadata object bounds it: vLLM's window region is a request's last
+    ``prefill_gather_lens`` tokens, so ``prefill_seq_lens - prefill_gather_lens``.
+    With SWA bounded replay (V4.1) that is the request's replay start, and in vLLM's
+    decoder-side replay each replay layer's own (the first layer's from the batch's
+    replay start, every later one's from ``max(replay_start, seq - window)``); without
+    it the floor is below every token's window.  None where vLLM gives no gather
+    lengths.  One small device op; the runtime computes it once per metadata object."""
+    gather = getattr(swa_metadata, "prefill_gather_lens", None)
+    if gather is None:
+        return None
+    n = int(swa_metadata.num_prefills)
+    return (swa_metadata.prefill_seq_lens[:n] - gather[:n]).to(torch.int32)
 
 
 def run_prefill(
@@ -77,12 +108,14 @@ def run_prefill(
     output: torch.Tensor,
     attn_metadata: Any,
     swa_metadata: Any,
+    floor: torch.Tensor | None = None,
 ) -> None:
     """vLLM's ``_forward_prefill`` inputs -> index rows -> attention on the real heads.
 
     ``q`` and ``output`` are the prefill tokens' ``[T, padded_heads, 512]`` slices;
     only the first ``facts.heads`` heads are computed and written (vLLM drops the
-    padded ones after attention)."""
+    padded ones after attention).  ``floor``: this layer's window floor
+    (:func:`window_floor` of its own ``swa_metadata``)."""
     from .prefill import forward_prefill
 
     heads = facts.heads
@@ -110,6 +143,8 @@ def run_prefill(
         swa_block_size=int(swa_k_cache.shape[1]),
         attn_sink=layer.attn_sink[:heads],
         out=output[:, :heads],
+        window_floor=floor,
+        window_size=facts.window,
         **comp,
     )
 
