@@ -327,7 +327,7 @@ fm.DeepseekV4FlashMLAAttention._forward_decode.__signature__ = inspect.Signature
 def test_exception_inside_the_plugin_leaves_vllm_working() -> None:
     before = """
 import dsv4_attention.adapters as adapters
-def broken(originals):
+def broken(originals, guard=None):
     raise RuntimeError("boom in the plugin")
 adapters.replacements = broken
 """

@@ -31,6 +31,7 @@ import dataclasses
 import math
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -520,3 +521,82 @@ def test_kind_lines_name_the_c4a_short_row_rule(no_warmup: None) -> None:
         Switches.read({"DSV4_PREFILL_MAX_HEADS": "sixteen"})
     with pytest.raises(ValueError, match="DSV4_PREFILL_MAX_HEADS"):
         Switches.read({"DSV4_PREFILL_MAX_HEADS": "-1"})
+
+
+@pytest.mark.parametrize("ratio", [4, 128], ids=["c4a", "c128a"])
+def test_replaced_ops_fall_back_to_vllms_inside_its_prefill(
+    vllm_env: types.SimpleNamespace, ratio: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection inside vLLM's own ``_forward_prefill``: the combine and the gather
+    the plugin puts in place (``adapters.replacements`` over vLLM's staged ops, as the
+    plugin builds them) raise in our kernels; vLLM's own ops run instead, the output
+    equals vLLM's, each op warns once, and a second step calls vLLM's ops directly (ours
+    is not tried again).  Under capture the error propagates (start-up fails)."""
+    from dsv4_attention.adapters import OpsGuard, replacements
+
+    seed = fresh_seed()
+    g = generator(seed)
+    views, _ = vllm_dsv4_caches("BLHNC", available_bytes=96 << 20)
+    caches = {}
+    for kind in ("window", "c4a", "c128a"):
+        view = next(v for v in views if v.kind == kind)
+        n = view.view.shape[0] * view.slots
+        k = (torch.randn(n, 512, generator=g) * 2).to(torch.bfloat16)
+        dk.reference.quantize_and_insert_k_cache(k, view.view, torch.arange(n), view.slots)
+        caches[kind] = view.view
+    batch = _batch(g, ratio, caches)
+    total = int(batch["total"])  # type: ignore[call-overload]
+    layer = _layer(ratio, HEADS, batch["topk_buffer"], g)  # type: ignore[arg-type]
+    swa = batch["swa"]
+    num_decode_tokens = swa.num_decode_tokens  # type: ignore[attr-defined]
+    q = (torch.randn(total, PADDED, 512, generator=g)).to(torch.bfloat16)
+    q[:, HEADS:] = 0
+    kwargs = {
+        "positions": torch.zeros(total - num_decode_tokens, dtype=torch.int64),
+        "compressed_k_cache": caches["c4a" if ratio == 4 else "c128a"],
+        "swa_k_cache": caches["window"],
+        "attn_metadata": batch["attn"],
+        "swa_metadata": swa,
+    }
+    names = ("combine_topk_swa_indices", "dequantize_and_gather_k_cache")
+    warnings: list[str] = []
+    guard = OpsGuard(warning=warnings.append)
+    replaced = replacements({n: getattr(vllm_env.ops, n) for n in names}, guard)
+    tried: list[str] = []
+
+    def failing(name: str) -> Any:
+        def fail(*args: Any, **kw: Any) -> None:
+            tried.append(name)
+            raise RuntimeError(f"injected fault in our {name}")
+
+        return fail
+
+    for name in names:
+        monkeypatch.setattr(dk, name, failing(name))
+    flashmla = vllm_env.flashmla
+    monkeypatch.setattr(flashmla, "flash_mla_sparse_fwd", _vllm_attention)
+    monkeypatch.setattr(flashmla, "current_workspace_manager", _Workspace)
+    base = flashmla.DeepseekV4FlashMLAAttention
+
+    def run(ops: dict[str, Any]) -> torch.Tensor:
+        for name in names:
+            monkeypatch.setattr(flashmla, name, ops[name])
+        out = torch.full((total, PADDED, 512), 7.0, dtype=torch.bfloat16)
+        base._forward_prefill(layer, q=q[num_decode_tokens:], output=out[num_decode_tokens:], **kwargs)
+        return out
+
+    want = run({n: getattr(vllm_env.ops, n) for n in names})
+    for step in range(2):
+        got = run(replaced)
+        assert bool((got == want).all()), f"seed {seed}, step {step}: not vLLM's output"
+    assert sorted(set(tried)) == sorted(names) and len(tried) == 2, tried  # once each
+    assert len(warnings) == 2, warnings
+    for name in names:
+        assert name in guard.failed
+        assert any(f"our {name} raised RuntimeError" in w for w in warnings), warnings
+    # under CUDA-graph capture the error of ours is raised (it fails vLLM's start-up)
+    capturing = OpsGuard(warning=warnings.append, capturing=lambda: True)
+    combine = replacements({names[0]: getattr(vllm_env.ops, names[0])}, capturing)[names[0]]
+    with pytest.raises(RuntimeError, match="injected fault"):
+        combine(batch["topk_buffer"], swa.query_start_loc, swa.seq_lens, None, 128, ratio, 512, 1, 1)  # type: ignore[attr-defined]
+    assert capturing.failed == {} and len(warnings) == 2

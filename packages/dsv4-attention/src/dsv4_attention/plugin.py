@@ -92,6 +92,7 @@ _STATE: dict[str, Any] = {
     "runtime": None,
     "cls": None,
     "family": None,
+    "ops_guard": None,  # how the replaced ops fall back (adapters.OpsGuard)
 }
 ENV_STARTUP_PLAN = "VLLM_ENABLE_STARTUP_PLAN"
 
@@ -261,9 +262,12 @@ def _ops_patches() -> tuple[list[_Patch], list[str]]:
     names = list(targets.CUDA_OPS)
     if _gather_replaced():
         names.append("dequantize_and_gather_k_cache")
-    from .adapters import replacements
+    from .adapters import OpsGuard, replacements
+    from .runtime import _capturing
 
-    ours = replacements({name: getattr(ops, name, None) for name in names})
+    guard = OpsGuard(warning=_logger().warning, capturing=_capturing)
+    _STATE["ops_guard"] = guard
+    ours = replacements({name: getattr(ops, name, None) for name in names}, guard)
     patches: list[_Patch] = []
     for name in names:
         original = getattr(ops, name, None)
@@ -550,7 +554,15 @@ def unregister() -> None:
     for trigger in _STATE["triggers"].values():
         if getattr(trigger.module, trigger.name, None) is trigger.replacement:
             setattr(trigger.module, trigger.name, trigger.original)
-    _STATE.update(triggers={}, decided=False, facts=None, runtime=None, cls=None, family=None)
+    _STATE.update(
+        triggers={},
+        decided=False,
+        facts=None,
+        runtime=None,
+        cls=None,
+        family=None,
+        ops_guard=None,
+    )
 
 
 def patched() -> list[str]:
