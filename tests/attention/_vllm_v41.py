@@ -113,19 +113,22 @@ def v41_config(
     sources: tuple[int, ...] = SOURCES,
     architectures: tuple[str, ...] = (V41,),
     bounded_replay: bool = False,
+    budget: int = BUDGET,
+    max_num_seqs: int = 8,
 ) -> Any:
     """vLLM's ``VllmConfig`` of a V4.1 deployment: vLLM's scheduler, cache and attention
     configs; the model config a stand-in with the fields vLLM reads.  SWA bounded replay
     (vLLM's default with model runner V2) is off unless ``bounded_replay`` (what bounds
-    a request's window is the step's ``replay_start``, which the tests set)."""
+    a request's window is the step's ``replay_start``, which the tests set).  ``budget``
+    and ``max_num_seqs``: vLLM's ``max_num_batched_tokens`` and ``max_num_seqs``."""
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
 
     scheduler = SchedulerConfig(
-        max_num_batched_tokens=BUDGET,
+        max_num_batched_tokens=budget,
         max_model_len=MAX_MODEL_LEN,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
-        max_num_seqs=8,
+        max_num_seqs=max_num_seqs,
     )
     cache = CacheConfig(block_size=256, cache_dtype="fp8_ds_mla", swa_bounded_replay=bounded_replay)
     config = VllmConfig(scheduler_config=scheduler, cache_config=cache)

@@ -74,6 +74,9 @@ class ServingConfig:
             the layers are (the plugin sets it from the selector that was called).
         native_prefill: whether vLLM's bundled FlashMLA runs the sparse prefill at the
             real heads on this GPU (vLLM 0.33 on SM90: 8, 16 or 32 heads).
+        kv_cache_memory_bytes: ``--kv-cache-memory-bytes`` where given (vLLM then sizes
+            the KV cache without its memory profile, so our scratch is not counted).
+        dcp: vLLM's decode context parallel size (1: off).
     """
 
     architectures: tuple[str, ...] = ()
@@ -88,6 +91,8 @@ class ServingConfig:
     index_topk: int = 0
     family: str = "v4"
     native_prefill: bool = False
+    kv_cache_memory_bytes: int | None = None
+    dcp: int = 1
 
     @property
     def model_text(self) -> str:
@@ -127,6 +132,8 @@ def read_serving_config(vllm_config: Any) -> ServingConfig:
     # where no model config is set)
     length = _get(model, "max_model_len") or _get(vllm_config, "scheduler_config", "max_model_len")
     architectures = tuple(_get(model, "architectures", default=()) or ())
+    kv_bytes = _get(vllm_config, "cache_config", "kv_cache_memory_bytes")
+    dcp = _get(vllm_config, "parallel_config", "decode_context_parallel_size", default=1)
     return ServingConfig(
         architectures=architectures,
         max_num_batched_tokens=None if tokens is None else int(tokens),
@@ -139,6 +146,8 @@ def read_serving_config(vllm_config: Any) -> ServingConfig:
         dbo=bool(_get(vllm_config, "parallel_config", "enable_dbo", default=False)),
         index_topk=int(_get(hf, "index_topk", default=0) or 0),
         family=family_of(architectures),
+        kv_cache_memory_bytes=None if kv_bytes is None else int(kv_bytes),
+        dcp=int(dcp or 1),
     )
 
 
@@ -162,6 +171,7 @@ class LayerFacts:
         kv_cache_dtype: vLLM's cache dtype name.
         family: ``"v4"`` or ``"v41"`` (the model family; it gives the ratio's kind).
         pcp: whether vLLM runs prefill context parallelism on the layer.
+        dcp: vLLM's decode context parallel size (1: off; above 1 vLLM keeps the layer).
         padded_heads: the heads vLLM pads the queries to (64 or 128).
         vllm_prefill_heads: the heads vLLM's own prefill computes (its V4.1 class
             on SM90 runs the real 8, 16 or 32: ``_prefill_num_heads``; else padded).
@@ -180,6 +190,7 @@ class LayerFacts:
     kv_cache_dtype: str | None = None
     family: str = "v4"
     pcp: bool = False
+    dcp: int = 1
     padded_heads: int = 64
     vllm_prefill_heads: int = 64
     native_prefill: bool = False
@@ -257,6 +268,7 @@ class LayerFacts:
             kv_cache_dtype=None if dtype is None else str(dtype),
             family=serving.family,
             pcp=bool(getattr(layer, "use_pcp", False)),
+            dcp=serving.dcp,
             padded_heads=padded,
             vllm_prefill_heads=int(getattr(layer, "_prefill_num_heads", None) or padded),
             native_prefill=serving.native_prefill,

@@ -50,6 +50,7 @@ import inspect
 import logging
 import os
 import sys
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -93,6 +94,8 @@ _STATE: dict[str, Any] = {
     "cls": None,
     "family": None,
     "ops_guard": None,  # how the replaced ops fall back (adapters.OpsGuard)
+    "engine": None,  # weakref to the engine the runtime is for (_engine_of)
+    "replaced": [],  # what the first activation replaced (named in later engines' lines)
 }
 ENV_STARTUP_PLAN = "VLLM_ENABLE_STARTUP_PLAN"
 
@@ -323,7 +326,17 @@ def _access() -> Any:
     def forward_context() -> Any:
         return context.get_forward_context() if context.is_forward_context_available() else None
 
+    # this engine's manager (vLLM makes one per worker; a second engine in the process
+    # makes its own and replaces the module's current one)
+    engine_manager = (
+        workspace.current_workspace_manager()
+        if workspace.is_workspace_manager_initialized()
+        else None
+    )
+
     def manager() -> Any:
+        if engine_manager is not None:
+            return engine_manager
         return (
             workspace.current_workspace_manager()
             if workspace.is_workspace_manager_initialized()
@@ -388,9 +401,40 @@ def _native_patch() -> _Patch:
     return _Patch(module, "flash_mla_sparse_fwd", original, wrap_sparse_fwd(original))
 
 
+def _engine_of(vllm_config: Any) -> Any:
+    """What identifies the engine building a layer: its workspace manager (vLLM makes one
+    per worker at device initialisation, before the model is built; a second engine in
+    the process makes its own), else its ``VllmConfig``."""
+    try:
+        workspace = importlib.import_module(_facts().workspace_module)
+        if workspace.is_workspace_manager_initialized():
+            return workspace.current_workspace_manager()
+    except Exception:
+        pass
+    return vllm_config
+
+
+def _same_engine(vllm_config: Any) -> bool:
+    """Whether this process already decided for the engine now building layers."""
+    held = _STATE["engine"]
+    return held is not None and held() is _engine_of(vllm_config)
+
+
+def _hold_engine(vllm_config: Any) -> None:
+    engine = _engine_of(vllm_config)
+    try:
+        _STATE["engine"] = weakref.ref(engine)
+    except TypeError:  # not weakly referable: held (a config, never GPU memory)
+        _STATE["engine"] = lambda: engine
+
+
 def _activate(vllm_config: Any, base: type, family: str = "v4") -> None:
-    """The start-up decision (first call of a family's selector); never raises."""
+    """The start-up decision of an engine (first call of a family's selector while that
+    engine builds its model); never raises.  Each engine gets its own runtime, class and
+    scratch; the ops replacements are process-wide, applied at the first activation."""
     _STATE["decided"] = True
+    _hold_engine(vllm_config)
+    _STATE.update(runtime=None, cls=None, family=None)
     try:
         from . import tables
         from .facts import read_serving_config
@@ -418,12 +462,17 @@ def _activate(vllm_config: Any, base: type, family: str = "v4") -> None:
         native = _native_prefill(device)
         serving = dataclasses.replace(serving, family=family, native_prefill=native)
         runtime = HeadExactRuntime(serving, device, table, switches, access)
-        # V4.1 keeps its own ops: only V4's are replaced
-        patches, names = _ops_patches() if table.combine and family == "v4" else ([], [])
-        if family == "v4" and native and table.prefill.native_faster_heads:
-            patches.append(_native_patch())
-            heads = "/".join(str(h) for h in table.prefill.native_faster_heads)
-            names.append(f"flash_mla_sparse_fwd (vLLM's own, at the real heads at {heads} heads)")
+        if _APPLIED:  # an earlier engine of this process put them in place
+            patches, names = [], list(_STATE["replaced"])
+        else:
+            # V4.1 keeps its own ops: only V4's are replaced
+            patches, names = _ops_patches() if table.combine and family == "v4" else ([], [])
+            if family == "v4" and native and table.prefill.native_faster_heads:
+                patches.append(_native_patch())
+                heads = "/".join(str(h) for h in table.prefill.native_faster_heads)
+                names.append(
+                    f"flash_mla_sparse_fwd (vLLM's own, at the real heads at {heads} heads)"
+                )
         cls = make_attention_cls(base, runtime)
     except _Inactive as reason:
         _say_inactive(str(reason), warning=False)
@@ -437,7 +486,7 @@ def _activate(vllm_config: Any, base: type, family: str = "v4") -> None:
     for patch in patches:
         setattr(patch.module, patch.name, patch.replacement)
     _APPLIED.extend(patches)
-    _STATE.update(runtime=runtime, cls=cls, family=family)
+    _STATE.update(runtime=runtime, cls=cls, family=family, replaced=list(names))
     replaced = [
         *names,
         f"{base.__module__}.{base.__name__} (head-exact prefill and decode per layer kind)",
@@ -471,7 +520,7 @@ def _install_trigger(family: str) -> None:
 
     def _select_dsv4_attn_cls(vllm_config: Any) -> type:
         chosen = select(vllm_config)
-        if not _STATE["decided"]:
+        if not _same_engine(vllm_config):  # the first layer this engine builds
             _activate(vllm_config, base, family)
         cls = _STATE["cls"]
         if cls is not None and chosen is base and _STATE["family"] == family:
@@ -562,6 +611,8 @@ def unregister() -> None:
         cls=None,
         family=None,
         ops_guard=None,
+        engine=None,
+        replaced=[],
     )
 
 

@@ -139,6 +139,11 @@ def _declined(facts: LayerFacts, device: Device, table: MeasuredTable | None) ->
         return f"compress ratio {facts.compress_ratio} is not a DSV4 layer kind"
     if facts.pcp:
         return "prefill context parallelism runs vLLM's own attention"
+    if facts.dcp > 1:
+        return (
+            f"decode context parallelism (DCP {facts.dcp}: the KV cache interleaved across "
+            "ranks) is not supported by ours; vLLM's own attention runs"
+        )
     if table is None:
         return f"no measured table for {device.name or 'this device'}"
     return None

@@ -36,9 +36,10 @@ its decisions (``policy``), facts (``facts``) and vLLM argument mapping
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,20 @@ def _nothing() -> Any:
 
 def _capturing() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+@contextlib.contextmanager
+def _pool(manager: Any) -> Iterator[None]:
+    """Allocate where vLLM allocates its workspace: inside the workspace manager's
+    allocation context (under sleep mode vLLM's CuMem pool tagged ``"workspace"``, which
+    ``sleep()`` discards and ``wake_up()`` maps again at the same addresses), else as
+    torch allocates.  Our scratch holds nothing across steps, so discarding it is safe."""
+    context = getattr(manager, "_alloc_context", None)
+    if callable(context):
+        with context():
+            yield
+    else:
+        yield
 
 
 @dataclass(frozen=True)
@@ -159,6 +174,7 @@ class HeadExactRuntime:
         self._decode_limits: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._step = _Step()
         self._warned: set[str] = set()
+        self._captured = False  # a decode of ours was captured into a CUDA graph
 
     # --- facts and decisions --------------------------------------------------------
 
@@ -206,6 +222,8 @@ class HeadExactRuntime:
         if prefill.ours or decode.ours:
             self._warm_up(state, q.device)
         self.access.info(self.describe(state))
+        self.kinds[(facts.compress_ratio, facts.heads)] = state
+        self._release_unused(facts)
         return state
 
     def describe(self, state: KindState) -> str:
@@ -231,8 +249,8 @@ class HeadExactRuntime:
         return self.access.workspace()
 
     def _reserve(self, facts: LayerFacts, q: torch.Tensor) -> None:
-        """Reserve both scratches once, for every kind the policy may hand us, from
-        vLLM's workspace (a locked workspace leaves the kinds on vLLM's path)."""
+        """Reserve both scratches once, for every kind the policy may hand us, in vLLM's
+        profile run (a locked workspace leaves the kinds on vLLM's path)."""
         kinds = self._model_kinds(facts)
         prefill = [
             f
@@ -243,20 +261,27 @@ class HeadExactRuntime:
             f for f in kinds if policy.decode_choice(f, self.device, self.table, self.switches).ours
         ]
         manager = self._manager()
+        if manager is not None and getattr(manager, "is_locked", _never)():
+            refusal = "vLLM's workspace was locked before this layer's first call"
+            self._prefill_refusal = self._decode_refusal = f"no scratch reserved: {refusal}"
+            self.access.info(f"dsv4-attention: {self._prefill_refusal}")
+            return
         if prefill:
             from dsv4_kernels import sparse_mla
 
             group = sparse_mla.prefill_group_size(q[:1, : facts.heads])
             spec = policy.prefill_scratch_spec(prefill, group)
             try:
-                self.prefill_scratch = self._prefill_buffers(spec, q.device, manager)
+                with _pool(manager):
+                    self.prefill_scratch = PrefillScratch(spec, device=q.device)
                 self.reserved["prefill"] = scratch_bytes(spec)
-            except Exception as exc:  # vLLM's locked workspace, out of memory, ...
+            except Exception as exc:  # out of memory, ...
                 self._prefill_refusal = f"no prefill scratch could be reserved ({exc})"
                 self.access.info(f"dsv4-attention: {self._prefill_refusal}")
         if decode:
             try:
-                self.decode_scratch = self._decode_buffers(decode, q.device, manager)
+                with _pool(manager):
+                    self.decode_scratch = self._decode_buffers(decode, q.device)
                 self.reserved["decode"] = 4 * int(self.decode_scratch.sizes.total)
             except Exception as exc:
                 self._decode_refusal = f"no decode scratch could be reserved ({exc})"
@@ -265,40 +290,61 @@ class HeadExactRuntime:
             self.access.info(self.memory_line())
 
     def memory_line(self) -> str:
-        """The once-per-process line of reserved bytes (as vLLM logs its KV cache)."""
+        """The once-per-engine line of reserved bytes (as vLLM logs its KV cache); where
+        vLLM sizes the KV cache from ``--kv-cache-memory-bytes`` instead of its profile,
+        it says how much to leave free for this scratch."""
         mib = {k: v / (1 << 20) for k, v in self.reserved.items() if v}
         total = sum(mib.values())
         what = ", ".join(f"{k} scratch {v:.2f} MiB" for k, v in mib.items()) or "nothing"
         s = self.serving
-        return (
-            f"dsv4-attention: reserved {total:.2f} MiB per GPU from vLLM's workspace ({what}; "
-            f"budget {s.max_num_batched_tokens} tokens, max_model_len {s.max_model_len}, "
-            f"widest decode window row {s.decode_window_width})"
+        line = (
+            f"dsv4-attention: reserved {total:.2f} MiB per GPU in vLLM's profile run, in its "
+            f"workspace memory pool ({what}; budget {s.max_num_batched_tokens} tokens, "
+            f"max_model_len {s.max_model_len}, widest decode window row "
+            f"{s.decode_window_width})"
         )
+        if s.kv_cache_memory_bytes is not None:
+            line += (
+                f"; --kv-cache-memory-bytes is set, so vLLM sized the KV cache without its "
+                f"memory profile: leave {total:.2f} MiB per GPU free for this scratch "
+                f"(lower the KV cache bytes by that much if the GPU is full)"
+            )
+        return line
 
-    @staticmethod
-    def _prefill_buffers(spec: ScratchSpec, device: torch.device, manager: Any) -> PrefillScratch:
-        if manager is None:
-            return PrefillScratch(spec, device=device)
-        return PrefillScratch(
-            spec,
-            lambda name, n, dtype: manager.get_persistent(
-                ("dsv4_attention.prefill", name, n), (n,), dtype
-            ),
-        )
+    def release(self, what: str, reason: str) -> None:
+        """Drop the ``what`` scratch (``"prefill"``/``"decode"``) and its bytes, with one
+        line: nothing of ours will use it.  The decode scratch is kept once a step of ours
+        was captured in a CUDA graph (the graph replays with it)."""
+        if what == "decode" and self._captured:
+            return
+        if what == "prefill" and self.prefill_scratch is not None:
+            self.prefill_scratch = None
+            self._step = _Step()  # its plan held views of the scratch
+        elif what == "decode" and self.decode_scratch is not None:
+            self.decode_scratch = None
+        else:
+            return
+        freed = self.reserved.pop(what, 0) / (1 << 20)
+        self.access.info(f"dsv4-attention: released the {what} scratch ({freed:.2f} MiB): {reason}")
 
-    def _decode_buffers(self, kinds: list[LayerFacts], device: torch.device, manager: Any) -> Any:
+    def _release_unused(self, facts: LayerFacts) -> None:
+        """Once every kind of the model at these heads is decided (or one was turned off),
+        release a scratch no kind takes."""
+        keys = [(f.compress_ratio, f.heads) for f in self._model_kinds(facts)]
+        states = [self.kinds.get(k) for k in keys]
+        if any(st is None for st in states):
+            return
+        for what in ("prefill", "decode"):
+            if not any(getattr(st, what).ours for st in states if st is not None):
+                self.release(what, f"no layer kind at {facts.heads} heads runs our {what}")
+
+    def _decode_buffers(self, kinds: list[LayerFacts], device: torch.device) -> Any:
         from dsv4_kernels import decode_scratch_sizes, make_decode_scratch
 
         tokens, heads, row, window = policy.decode_limits(kinds)
         self._decode_limits = (tokens, heads, row, window)
         sizes = decode_scratch_sizes(tokens, heads, row, device, window=window)
-        buffer = None
-        if manager is not None:
-            buffer = manager.get_persistent(
-                ("dsv4_attention.decode", tokens, heads, row, window), (sizes.total,), torch.float32
-            )
-        return make_decode_scratch(sizes, device, buffer)
+        return make_decode_scratch(sizes, device)
 
     def _fits_prefill(self, facts: LayerFacts) -> Choice | None:
         """None when the reserved prefill scratch holds this kind's largest step."""
@@ -442,6 +488,7 @@ class HeadExactRuntime:
                 state.prefill = Choice(False, reason)
             if what in ("decode", "start-up"):
                 state.decode = Choice(False, reason)
+            self._release_unused(facts)
         self._warn_once(
             f"{what}/{kind}",
             f"dsv4-attention: the {what} of {kind} raised {type(exc).__name__}: {exc}; "
@@ -544,6 +591,8 @@ class HeadExactRuntime:
                 layer, facts, window, kv_cache, int(swa_metadata.block_size), comp_block
             ):
                 return False
+            if self.access.capturing():
+                self._captured = True
             vllm_calls.run_decode(
                 layer,
                 facts,
