@@ -140,8 +140,10 @@ def test_min_ratio_is_the_threshold() -> None:
     ("name", "capability", "found"),
     [
         ("NVIDIA H200", (9, 0), "NVIDIA H200"),
-        ("NVIDIA H100 80GB HBM3", (9, 0), "NVIDIA H200"),  # its family's table
-        ("NVIDIA H20", (9, 0), "NVIDIA H200"),
+        ("NVIDIA H100 80GB HBM3", (9, 0), None),  # exact names only: no family's table
+        ("NVIDIA H20", (9, 0), None),
+        ("NVIDIA H800", (9, 0), None),
+        ("NVIDIA GH200 480GB", (9, 0), None),
         ("NVIDIA B200", (10, 0), None),
         ("NVIDIA A100-SXM4-80GB", (8, 0), None),
         ("NVIDIA RTX PRO 6000", (12, 0), None),
@@ -149,8 +151,34 @@ def test_min_ratio_is_the_threshold() -> None:
     ],
 )
 def test_table_for_a_gpu(name: str | None, capability: tuple[int, int] | None, found: str) -> None:
+    """A table is the GPU's own, by exact device name, or none."""
     table = tables.table_for(name, capability)
     assert (None if table is None else table.device_name) == found
     if table is not None:
         assert table.family == "sm90" and table.combine
         assert table.source.startswith("docs/results/h200-decode")
+
+
+def test_user_tables_come_first_and_bad_ones_are_named(tmp_path: Path) -> None:
+    """``DSV4_TABLES_DIR``'s tables (by exact device name) come before the shipped ones;
+    a folder that is not one, or a malformed file, is a ``ValueError`` naming it."""
+    shipped = json.loads(resources.files("dsv4_attention").joinpath(
+        "tables", "NVIDIA_H200.json").read_text())  # fmt: skip
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    for name, source in (("NVIDIA H200", "my H200 run"), ("NVIDIA H100 80GB HBM3", "my H100")):
+        data = {**shipped, "device_name": name, "source": source}
+        (folder / tables.file_name(name)).write_text(json.dumps(data))
+    tables.user_tables.cache_clear()
+    got = tables.table_for("NVIDIA H100 80GB HBM3", (9, 0), str(folder))
+    assert got is not None and got.source == "my H100"
+    mine = tables.table_for("NVIDIA H200", (9, 0), str(folder))
+    assert mine is not None and mine.source == "my H200 run"
+    assert tables.table_for("NVIDIA H20", (9, 0), str(folder)) is None
+    with pytest.raises(ValueError, match="DSV4_TABLES_DIR=.*is not a folder"):
+        tables.table_for("NVIDIA H200", None, str(tmp_path / "missing"))
+    (folder / "NVIDIA_H20.json").write_text('{"device_name": "NVIDIA H20"}')
+    tables.user_tables.cache_clear()
+    with pytest.raises(ValueError, match="NVIDIA_H20.json is malformed"):
+        tables.table_for("NVIDIA H200", None, str(folder))
+    tables.user_tables.cache_clear()

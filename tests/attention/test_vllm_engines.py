@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import gc
 import os
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -197,3 +198,112 @@ def test_two_engines_in_one_process_each_have_their_own_runtime(
         assert len(lines) == 2, lines  # one memory line per engine
         assert f"budget {first} tokens" in lines[0] and f"budget {second} tokens" in lines[1]
     assert not [r for r in caplog.records if r.levelname == "WARNING" and "dsv4" in r.name]
+
+
+def test_scratch_lives_in_vllms_workspace_pool_and_survives_sleep(
+    vllm_v41: FlashMLACalls,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Sleep mode: vLLM allocates its workspace inside the manager's allocation context
+    (``_maybe_get_memory_pool_context("workspace")``: the CuMem pool that ``sleep()``
+    discards and ``wake_up()`` maps back at the same addresses, contents lost).  Every
+    buffer of our scratch is allocated inside that context (recorded here through the
+    context vLLM's manager is given), and after the scratch's contents are destroyed as
+    a sleep destroys them, the next decode and prefill steps are still right."""
+    from vllm.v1.worker import workspace as ws
+
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    inside: list[bool] = []
+    made: set[int] = set()
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = real_empty(*args, **kwargs)
+        if inside:
+            made.add(t.data_ptr())
+        return t
+
+    @contextlib.contextmanager
+    def pool() -> Iterator[None]:
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    real_init = ws.init_workspace_manager
+    monkeypatch.setattr(
+        ws, "init_workspace_manager", lambda device, **kw: real_init(device, alloc_context=pool)
+    )
+    monkeypatch.setattr(torch, "empty", empty)
+    g = generator(fresh_seed())
+    with plugin_registered(v41_config(HEADS, RATIOS, SOURCES)), caplog.at_level("INFO"):
+        engine = start_engine(24, g)
+        monkeypatch.setattr(torch, "empty", real_empty)
+        rt = engine.cls.dsv4_runtime
+        buffers = [rt.decode_scratch.partial_out, *rt.prefill_scratch.buffers.values()]
+        assert all(b.data_ptr() in made for b in buffers), "scratch allocated outside the pool"
+        assert "in its workspace memory pool" in caplog.text
+        serve(engine, g, 8)
+        # sleep(): the pool's memory is discarded; wake_up(): mapped again, contents lost
+        for b in buffers:
+            b.view(torch.uint8).random_(0, 256, generator=g)
+        serve(engine, g, 8)
+    assert vllm_v41.decode == [] and vllm_v41.prefill == []
+
+
+def test_a_scratch_no_kind_takes_is_released(
+    vllm_v41: FlashMLACalls,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every kind turned down at start-up (its decode warm-up fails here, which declines
+    the kind's prefill and decode): once every kind of the model is decided, both
+    scratches are released, one line each; steps run vLLM's own path and stay right.
+    With ``--kv-cache-memory-bytes`` the memory line says how much to leave free."""
+    from dsv4_attention import warmup
+
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+
+    def broken(*args: Any, **kwargs: Any) -> float:
+        raise RuntimeError("no decode kernel here")
+
+    monkeypatch.setattr(warmup, "warm_up_decode", broken)
+    g = generator(fresh_seed())
+    real_config = v41_config
+
+    def config_with_kv_bytes(*args: Any, **kwargs: Any) -> Any:
+        config = real_config(*args, **kwargs)
+        config.cache_config.kv_cache_memory_bytes = 8 << 30
+        return config
+
+    monkeypatch.setattr(sys.modules[__name__], "v41_config", config_with_kv_bytes)
+    with plugin_registered(v41_config(HEADS, RATIOS, SOURCES)), caplog.at_level("INFO"):
+        engine = start_engine(24, g)
+        rt = engine.cls.dsv4_runtime
+        assert sorted(rt.kinds) == [(0, HEADS), (1, HEADS)]
+        for state in rt.kinds.values():
+            assert not state.decode.ours and not state.prefill.ours, state
+        memory = [r.getMessage() for r in caplog.records if "reserved" in r.getMessage()]
+        assert len(memory) == 1 and "--kv-cache-memory-bytes is set" in memory[0], memory
+        assert "leave " in memory[0] and "MiB per GPU free" in memory[0]
+        assert rt.decode_scratch is not None  # held until vLLM's profile run is over
+        from vllm.forward_context import set_forward_context
+
+        step = make_step(engine.stack, g, [1, 1], [70, 200], 2)
+        q = torch.randn(step.total, PADDED, 512, generator=g).to(torch.bfloat16)
+        with set_forward_context(step.metadata, engine.config):
+            for layer in engine.stack.layers:
+                if layer.is_index_source:
+                    fill_topk(engine.stack, step, layer.compress_ratio, g)
+                out = torch.full_like(q, float("nan"))
+                layer.forward_mqa(q, None, step.positions, out)
+                want = reference_attention(layer, step, q, HEADS, engine.stack.topk_buffer)
+                torch.testing.assert_close(out[:, :HEADS].float(), want.float(), atol=2e-2, rtol=2e-2)
+        # the first step with metadata: the profile run is over, nothing takes the scratch
+        assert rt.decode_scratch is None and rt.prefill_scratch is None and rt.reserved == {}
+        released = [r.getMessage() for r in caplog.records if "released" in r.getMessage()]
+        assert len(released) == 2, released
+        assert "prefill scratch" in released[0] and "decode scratch" in released[1], released
+    assert len(vllm_v41.decode) == len(RATIOS)  # vLLM's decode, every layer

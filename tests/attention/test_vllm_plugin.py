@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -422,40 +423,69 @@ def _our_version() -> str:
     return __version__
 
 
-@pytest.mark.parametrize(
-    ("name", "capability", "acts"),
-    [("NVIDIA B200", (10, 0), False), ("NVIDIA H100 80GB HBM3", (9, 0), True)],
-    ids=["sm100", "h100"],
-)
+UNMEASURED = [
+    ("NVIDIA B200", (10, 0)),
+    ("NVIDIA H100 80GB HBM3", (9, 0)),
+    ("NVIDIA H800", (9, 0)),
+    ("NVIDIA H20", (9, 0)),
+    ("NVIDIA GH200 480GB", (9, 0)),
+]
+
+
+@pytest.mark.parametrize(("name", "capability"), UNMEASURED, ids=[n for n, _ in UNMEASURED])
 def test_a_gpu_without_a_measured_table_keeps_vllm(
-    name: str, capability: tuple[int, int], acts: bool
+    name: str, capability: tuple[int, int]
 ) -> None:
-    """vLLM's platform reports a CUDA GPU (not forced): a family never measured (SM100)
-    gets vLLM's class from the selector, nothing replaced, and a line naming the missing
-    table; a GPU of the measured family (an H100) takes the H200's table."""
+    """vLLM's platform reports a CUDA GPU (not forced) that has no table of its own, an
+    SM90 one included (the H200's crossovers are not an H100's): vLLM's class from the
+    selector, nothing replaced, and one line naming the missing table and the command
+    that measures one."""
     body = IMPORT_DSV4 + FAKE_CUDA + f"select({name!r}, {capability!r}, plugin_sees_it=True)\n"
     report, output = run_script(body)
     assert report["import"]["waiting"] and records(report, "import") == []
     lines = plugin_lines(output)
-    if not acts:
-        _left_alone(report["select"])
-        assert (
-            report["chosen"]
-            == VLLMS
-            == "vllm.models.deepseek_v4.nvidia.flashmla." + (report["vllms_choice"])
-        )
-        assert [m.group(1) for m in lines] == ["inactive"], output
-        assert (
-            "NVIDIA B200 (sm100) has no measured table (measured: NVIDIA H200); vLLM's kernels "
-            "run unchanged"
-        ) in lines[0].string
-        assert [level for level, _ in records(report, "select")] == ["INFO"]
-    else:
-        assert report["select"]["active"] and report["chosen"].endswith("." + OURS)
-        assert report["device"] == [name, list(capability), False]
-        assert report["table"] == "NVIDIA H200"
-        assert [m.group(1) for m in lines] == ["active"], output
-        assert f"({name}, table NVIDIA H200)" in lines[0].string
+    _left_alone(report["select"])
+    assert (
+        report["chosen"]
+        == VLLMS
+        == "vllm.models.deepseek_v4.nvidia.flashmla." + (report["vllms_choice"])
+    )
+    assert [m.group(1) for m in lines] == ["inactive"], output
+    assert (
+        f"{name} has no measured table (measured: NVIDIA H200; tables are used only on the "
+        "GPU they were measured on); vLLM's kernels run unchanged. To measure one on this "
+        "GPU, from a clone of dsv4-serving run `python3 -m benchmarks.measure_table --out DIR` "
+        "and serve with DSV4_TABLES_DIR=DIR"
+    ) in lines[0].string
+    assert [level for level, _ in records(report, "select")] == ["INFO"]
+
+
+def test_a_table_a_user_measured_is_taken_from_dsv4_tables_dir(tmp_path: Path) -> None:
+    """An H100 with a table of its own in ``DSV4_TABLES_DIR`` (as ``benchmarks.measure_table``
+    writes one: the device name as the file name): the plugin is active with that table;
+    a malformed table there leaves the plugin inactive with a warning naming the file."""
+    from dsv4_attention import tables
+
+    name = "NVIDIA H100 80GB HBM3"
+    shipped = json.loads(
+        (Path(tables.__file__).parent / "tables" / "NVIDIA_H200.json").read_text()
+    )
+    table = {**shipped, "device_name": name, "source": "measured by the test"}
+    (tmp_path / tables.file_name(name)).write_text(json.dumps(table))
+    body = IMPORT_DSV4 + FAKE_CUDA + f"select({name!r}, (9, 0), plugin_sees_it=True)\n"
+    report, output = run_script(body, DSV4_TABLES_DIR=str(tmp_path))
+    assert report["select"]["active"] and report["chosen"].endswith("." + OURS)
+    assert report["table"] == name
+    lines = plugin_lines(output)
+    assert [m.group(1) for m in lines] == ["active"], output
+    assert f"({name}, table {name})" in lines[0].string
+    (tmp_path / tables.file_name(name)).write_text(json.dumps({"device_name": name}))
+    report, output = run_script(body, DSV4_TABLES_DIR=str(tmp_path))
+    _left_alone(report["select"])
+    lines = plugin_lines(output)
+    assert [m.group(1) for m in lines] == ["inactive"], output
+    assert "is malformed" in lines[0].string and str(tmp_path) in lines[0].string
+    assert "WARNING" in lines[0].string
 
 
 SELECT = """

@@ -367,7 +367,7 @@ def test_prefill_heads_limit_per_kind_and_override() -> None:
 def test_prefill_choice_off_where_nothing_was_measured_faster() -> None:
     """Without the Gluon kernel, off Hopper (no table for Blackwell or Ampere), with the
     switch, or at a head override below the layer's heads: vLLM's prefill; a Hopper
-    without its own file takes its family's table."""
+    without its own file has no table (none is borrowed from its family)."""
     facts = _facts(1, 8)
     no_gluon = policy.prefill_choice(facts, Device("NVIDIA H200", (9, 0)), H200, Switches())
     assert not no_gluon.ours and "wgmma" in no_gluon.reason
@@ -376,7 +376,7 @@ def test_prefill_choice_off_where_nothing_was_measured_faster() -> None:
         device = Device(name, cap, wgmma=False)
         choice = policy.prefill_choice(facts, device, table_for(name, cap), Switches())
         assert not choice.ours and f"no measured table for {name}" in choice.reason
-    assert table_for("NVIDIA H100 80GB HBM3", (9, 0)) is H200
+    assert table_for("NVIDIA H100 80GB HBM3", (9, 0)) is None  # no borrowing by family
     off = policy.prefill_choice(facts, HOPPER, H200, Switches(prefill_disable=True))
     assert not off.ours and "DSV4_PREFILL_DISABLE" in off.reason
     assert not policy.prefill_choice(facts, HOPPER, H200, Switches(max_heads=4)).ours

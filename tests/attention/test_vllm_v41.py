@@ -314,8 +314,8 @@ def test_sm100_keeps_vllms_v41_class() -> None:
     lines = plugin_lines(output)
     assert [m.group(1) for m in lines] == ["inactive"], output
     assert (
-        "NVIDIA B200 (sm100) has no measured table (measured: NVIDIA H200); vLLM's kernels "
-        "run unchanged"
+        "NVIDIA B200 has no measured table (measured: NVIDIA H200; tables are used only on the "
+        "GPU they were measured on); vLLM's kernels run unchanged"
     ) in lines[0].string
     assert [level for level, _ in records(report, "select v41")] == ["INFO"]
 

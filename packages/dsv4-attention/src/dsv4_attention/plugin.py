@@ -449,14 +449,16 @@ def _activate(vllm_config: Any, base: type, family: str = "v4") -> None:
                 f"{FAMILY_TEXT[family]} layers only when vLLM's config names that model"
             )
         device = _device(switches.force)
-        table = tables.table_for(device.name, device.capability)
+        table = tables.table_for(device.name, device.capability, switches.tables_dir)
         if table is None and device.forced:
-            table = tables.table_for("NVIDIA H200", (9, 0))
+            table = tables.table_for("NVIDIA H200")
         if table is None:
             measured = ", ".join(sorted({t.device_name for t in tables.all_tables().values()}))
             raise _Inactive(
-                f"{device.name} ({tables.family_of(device.capability)}) has no measured table "
-                f"(measured: {measured}); vLLM's kernels run unchanged"
+                f"{device.name} has no measured table (measured: {measured}; tables are "
+                f"used only on the GPU they were measured on); vLLM's kernels run unchanged. "
+                f"To measure one on this GPU, from a clone of dsv4-serving run "
+                f"`{tables.MEASURE_COMMAND}` and serve with {tables.ENV_TABLES_DIR}=DIR"
             )
         access = _access()
         native = _native_prefill(device)

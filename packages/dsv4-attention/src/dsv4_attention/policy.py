@@ -37,6 +37,7 @@ ENV_FORCE = "DSV4_KERNELS_FORCE"
 ENV_PREFILL_DISABLE = "DSV4_PREFILL_DISABLE"
 ENV_DECODE_DISABLE = "DSV4_DECODE_DISABLE"
 ENV_MAX_HEADS = "DSV4_PREFILL_MAX_HEADS"
+ENV_TABLES_DIR = "DSV4_TABLES_DIR"
 
 # Distinct window row sets per step: two window KV-cache groups, each read with
 # per-token rows (C4A layers) and grouped rows (SWA-only, C128A layers).
@@ -59,6 +60,7 @@ class Switches:
     prefill_disable: bool = False
     decode_disable: bool = False
     max_heads: int | None = None  # DSV4_PREFILL_MAX_HEADS
+    tables_dir: str | None = None  # DSV4_TABLES_DIR: tables a user measured
 
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> Switches:
@@ -80,6 +82,7 @@ class Switches:
             prefill_disable=_flag(env, ENV_PREFILL_DISABLE),
             decode_disable=_flag(env, ENV_DECODE_DISABLE),
             max_heads=heads,
+            tables_dir=env.get(ENV_TABLES_DIR, "").strip() or None,
         )
 
 

@@ -175,6 +175,7 @@ class HeadExactRuntime:
         self._step = _Step()
         self._warned: set[str] = set()
         self._captured = False  # a decode of ours was captured into a CUDA graph
+        self._settled = False  # a step with metadata ran (vLLM's profile run is over)
 
     # --- facts and decisions --------------------------------------------------------
 
@@ -222,8 +223,6 @@ class HeadExactRuntime:
         if prefill.ours or decode.ours:
             self._warm_up(state, q.device)
         self.access.info(self.describe(state))
-        self.kinds[(facts.compress_ratio, facts.heads)] = state
-        self._release_unused(facts)
         return state
 
     def describe(self, state: KindState) -> str:
@@ -327,16 +326,13 @@ class HeadExactRuntime:
         freed = self.reserved.pop(what, 0) / (1 << 20)
         self.access.info(f"dsv4-attention: released the {what} scratch ({freed:.2f} MiB): {reason}")
 
-    def _release_unused(self, facts: LayerFacts) -> None:
-        """Once every kind of the model at these heads is decided (or one was turned off),
-        release a scratch no kind takes."""
-        keys = [(f.compress_ratio, f.heads) for f in self._model_kinds(facts)]
-        states = [self.kinds.get(k) for k in keys]
-        if any(st is None for st in states):
-            return
+    def _release_unused(self) -> None:
+        """After vLLM's profile run (the first step with metadata), and whenever a kind is
+        turned off later: release a scratch that no decided kind takes."""
+        self._settled = True
         for what in ("prefill", "decode"):
-            if not any(getattr(st, what).ours for st in states if st is not None):
-                self.release(what, f"no layer kind at {facts.heads} heads runs our {what}")
+            if not any(getattr(st, what).ours for st in self.kinds.values()):
+                self.release(what, f"no layer kind runs our {what}")
 
     def _decode_buffers(self, kinds: list[LayerFacts], device: torch.device) -> Any:
         from dsv4_kernels import decode_scratch_sizes, make_decode_scratch
@@ -389,6 +385,7 @@ class HeadExactRuntime:
                     f.topk or 512,
                     max_tokens=f.max_tokens,
                     topk_rows=f.topk_rows,
+                    window=f.window,
                 )
             if state.decode.ours:
                 warm_up_decode(
@@ -488,7 +485,8 @@ class HeadExactRuntime:
                 state.prefill = Choice(False, reason)
             if what in ("decode", "start-up"):
                 state.decode = Choice(False, reason)
-            self._release_unused(facts)
+            if self._settled:
+                self._release_unused()
         self._warn_once(
             f"{what}/{kind}",
             f"dsv4-attention: the {what} of {kind} raised {type(exc).__name__}: {exc}; "
@@ -514,6 +512,8 @@ class HeadExactRuntime:
     ) -> bool:
         """Run the head-exact prefill where it applies; False: vLLM's own must run."""
         try:
+            if not self._settled:
+                self._release_unused()
             state = self.kind_state(layer, q)
             if not state.prefill.ours or self.access.dual_batch():
                 return False
@@ -575,6 +575,8 @@ class HeadExactRuntime:
         it reads is fixed for a CUDA graph (the batch size, the layer), so a captured
         graph replays the same choice."""
         try:
+            if not self._settled:
+                self._release_unused()
             state = self.kind_state(layer, q)
             if not state.decode.ours or self.access.dual_batch():
                 return False

@@ -7,11 +7,13 @@ GPU (its ``source``), whether the combine kernel replaces vLLM's, up to how
 many local heads the head-exact prefill is faster per layer kind, and the
 decode speed-up of every measured step size.
 
-A GPU without a file of its own takes the table of its family (compute
-capability major: ``sm90`` for H100, H200, H20...) when one file declares that
-family; a family with no table at all (Blackwell, Ampere today) gets nothing
-replaced.  Regenerate a table from a new curated run and name the run in its
-``source``.
+A table is used only on the GPU it was measured on, by exact device name: an H100,
+H800, H20 or GH200 is not an H200 (other memory bandwidth, clocks and SM counts move
+the crossovers), so a GPU without its own table keeps vLLM's path everywhere, with a
+line naming the command that measures one (:data:`MEASURE_COMMAND`).  Tables a user
+measured are read from the folder named by ``DSV4_TABLES_DIR`` (same file names),
+before the shipped ones.  Regenerate a shipped table from a new curated run and name
+the run in its ``source``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,20 @@ from dataclasses import dataclass
 from importlib import resources
 from types import MappingProxyType
 
-__all__ = ["DecodeTable", "MeasuredTable", "PrefillLimits", "all_tables", "table_for"]
+__all__ = [
+    "ENV_TABLES_DIR",
+    "MEASURE_COMMAND",
+    "DecodeTable",
+    "MeasuredTable",
+    "PrefillLimits",
+    "all_tables",
+    "table_for",
+    "user_tables",
+]
+
+ENV_TABLES_DIR = "DSV4_TABLES_DIR"
+# what measures a table for a GPU that has none (run from a clone of dsv4-serving)
+MEASURE_COMMAND = "python3 -m benchmarks.measure_table --out DIR"
 
 LAYER_NAMES = {1: "swa", 4: "c4a", 128: "c128a"}
 
@@ -156,14 +171,39 @@ def family_of(capability: tuple[int, int] | None) -> str | None:
     return None if capability is None else f"sm{capability[0]}0"
 
 
-def table_for(device_name: str | None, capability: tuple[int, int] | None) -> MeasuredTable | None:
-    """The table of this GPU: its own file, else its family's; None when its family was
-    never measured (then nothing is replaced on it)."""
-    tables = all_tables()
-    if device_name and file_name(device_name) in tables:
-        return tables[file_name(device_name)]
-    family = family_of(capability)
-    for name in sorted(tables):
-        if family is not None and tables[name].family == family:
-            return tables[name]
-    return None
+@functools.cache
+def user_tables(folder: str) -> Mapping[str, MeasuredTable]:
+    """The tables in ``folder`` (``DSV4_TABLES_DIR``), by file name (read once per
+    process); ``ValueError`` naming the folder or file when one cannot be read."""
+    from pathlib import Path
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise ValueError(f"{ENV_TABLES_DIR}={folder!r} is not a folder")
+    found = {}
+    for entry in sorted(path.glob("*.json")):
+        try:
+            data = json.loads(entry.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"measured table {entry} cannot be read: {exc}") from exc
+        found[entry.name] = parse_table(data, str(entry))
+    return MappingProxyType(found)
+
+
+def table_for(
+    device_name: str | None,
+    capability: tuple[int, int] | None = None,
+    folder: str | None = None,
+) -> MeasuredTable | None:
+    """The table measured on this GPU, by exact device name: from ``folder`` (a user's
+    ``DSV4_TABLES_DIR``) first, else shipped; None when this GPU was never measured
+    (then nothing is replaced on it).  ``capability`` is not used to borrow another
+    GPU's table (kept for callers that pass it)."""
+    if not device_name:
+        return None
+    name = file_name(device_name)
+    if folder:
+        mine = user_tables(folder)
+        if name in mine:
+            return mine[name]
+    return all_tables().get(name)

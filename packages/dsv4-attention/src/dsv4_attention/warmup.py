@@ -81,6 +81,8 @@ def warm_up_prefill(
     *,
     max_tokens: int | None = None,
     topk_rows: bool | None = None,
+    window: int = 128,
+    window_floor: bool = True,
 ) -> float:
     """Run one layer's head-exact prefill on a tiny batch; seconds it took (the compile).
 
@@ -92,6 +94,10 @@ def warm_up_prefill(
         topk: top-k rows: the indexer's top-k width (the layer's top-k buffer's).
         max_tokens: the token budget of a step; the warm-up stays within it.
         topk_rows: whether the layer reads the indexer's top-k rows (default: ratio 4).
+        window: the layer's sliding window.
+        window_floor: build the rows with a window floor, as serving does wherever vLLM's
+            metadata has gather lengths (every DSV4 release here): the index kernel is
+            compiled with and without one, so the variant serving launches is this one.
     """
     if topk_rows is None:
         topk_rows = compress_ratio == 4
@@ -118,14 +124,18 @@ def warm_up_prefill(
         elif compress_ratio == 128:
             layer["c128a_topk"] = 128
         q = torch.zeros((tokens, heads, HEAD_DIM), dtype=torch.bfloat16, device=device)
+        floor = None
+        if window_floor:  # vLLM's window region: each request's last query + W - 1 tokens
+            floor = (seq - torch.tensor(query_lens, device=device) - (window - 1)).clamp(min=0)
         forward_prefill(
             q,
-            PrefillPlan(qsl, seq, num_tokens=tokens),
+            PrefillPlan(qsl, seq, num_tokens=tokens, window_size=window),
             compress_ratio=compress_ratio,
             scale=HEAD_DIM**-0.5,
             swa_cache=swa_cache,
             swa_block_table=_table(SWA_BLOCK_SIZE, device),
             attn_sink=torch.zeros((heads,), dtype=torch.float32, device=device),
+            window_floor=None if floor is None else floor.to(torch.int32),
             **layer,  # type: ignore[arg-type]
         )
     if device.type == "cuda":
