@@ -28,6 +28,7 @@ the profile run, and the cache layout guard.
 
 from __future__ import annotations
 
+import copy
 import threading
 import types
 from collections.abc import Iterator
@@ -236,7 +237,9 @@ def _run_layer(
 def _reference(
     layer: types.SimpleNamespace, step: dict, q: torch.Tensor, heads: int = HEADS
 ) -> torch.Tensor:
-    """The pure-torch prefill of ``layer`` over the step's own tables, on ``heads`` heads."""
+    """The pure-torch prefill of ``layer`` over the step's own tables, on ``heads`` heads,
+    its window starting no lower than its own metadata's window region (the last
+    ``prefill_gather_lens`` tokens of each request)."""
     md = step["dict"]
     swa = md[layer.swa_prefix]
     attn = md.get(layer.prefix)
@@ -257,6 +260,7 @@ def _reference(
             comp["topk_indices"] = layer.topk_indices_buffer[d:]
         else:
             comp["c128a_topk"] = attn.c128a_prefill_topk_indices.shape[-1]
+    floor = (swa.prefill_seq_lens - swa.prefill_gather_lens).to(torch.int32)
     return reference_forward_prefill(
         q[d:, :heads],
         plan,
@@ -265,6 +269,7 @@ def _reference(
         swa_cache=layer.swa_view.view,
         swa_block_table=swa.block_table[num_dec:],
         attn_sink=layer.attn_sink[:heads],
+        window_floor=floor,
         **comp,  # type: ignore[arg-type]
     )
 
@@ -366,6 +371,45 @@ def test_one_plan_per_step_across_vllms_cache_groups(fresh_cls: type) -> None:
         atol=2e-2,
         rtol=2e-2,
     )
+
+
+def test_window_groups_whose_metadata_differ_each_get_their_own_rows(fresh_cls: type) -> None:
+    """DSV4's two window KV-cache groups each get their own metadata object in a step; where
+    those differ in their window region (``prefill_gather_lens``: here the second group's
+    windows are cut to the last 40 positions before each chunk, as a bounded replay cuts
+    them), every layer reads its own group's window: each equals the reference over its
+    own metadata, and the two groups' layers differ from each other's reference."""
+    from vllm.config import VllmConfig
+    from vllm.forward_context import set_forward_context
+
+    seed = fresh_seed()
+    g = generator(seed)
+    model = Model(g)
+    step = model.step([1, 12, 7, 5], [300, 1500, 2600, 240], num_decodes=1)
+    groups = model.window_groups
+    cut = step["dict"][next(x.swa_prefix for x in model.layers if x.swa_view.group == groups[1])]
+    qlen = cut.prefill_query_lens_cpu
+    cut.prefill_gather_lens = torch.minimum(cut.prefill_seq_lens, qlen + 40).to(torch.int32)
+    q = torch.randn(step["total"], PADDED, 512, generator=g).to(torch.bfloat16)
+    d = step["num_decode_tokens"]
+    with set_forward_context(step["dict"], VllmConfig()):
+        for layer in model.layers:
+            out = _run_layer(fresh_cls, layer, step, q)
+            want = _reference(layer, step, q)
+            torch.testing.assert_close(
+                out[d:, :HEADS].float(), want.float(), atol=2e-2, rtol=2e-2,
+                msg=lambda m, layer=layer: f"seed {seed}, {layer.prefix}: {m}",
+            )  # fmt: skip
+            other = next(
+                x.swa_prefix for x in model.layers if x.swa_view.group != layer.swa_view.group
+            )
+            mine = copy.copy(step["dict"][layer.swa_prefix])  # its tables, the other's region
+            mine.prefill_gather_lens = step["dict"][other].prefill_gather_lens
+            swapped = dict(step, dict={**step["dict"], layer.swa_prefix: mine})
+            wrong = _reference(layer, swapped, q)
+            assert (wrong.float() - want.float()).abs().max() > 0.1, layer.prefix
+    rt = fresh_cls.dsv4_runtime
+    assert all(state.prefill.ours for state in rt.kinds.values()), rt.kinds
 
 
 def test_profile_run_reserves_what_the_largest_step_uses(
