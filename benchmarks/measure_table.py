@@ -92,13 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench's repetition time per case")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("measure_table: no CUDA device: a table is measured on the GPU it is for", file=sys.stderr)
+        print(
+            "measure_table: no CUDA device: a table is measured on the GPU it is for",
+            file=sys.stderr,
+        )
         return 2
     from .flashmla_decode import load_decode
 
     if load_decode()[0] is None:
-        print(f"measure_table: FlashMLA does not import ({load_decode()[1]}); build it first "
-              "(docs/contributing.md): the table is FlashMLA's time over ours", file=sys.stderr)  # fmt: skip
+        why = load_decode()[1]
+        print(
+            f"measure_table: FlashMLA does not import ({why}); build it first "
+            "(docs/contributing.md): the table is FlashMLA's time over ours",
+            file=sys.stderr,
+        )
         return 2
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)

@@ -175,10 +175,10 @@ def test_user_tables_come_first_and_bad_ones_are_named(tmp_path: Path) -> None:
     mine = tables.table_for("NVIDIA H200", (9, 0), str(folder))
     assert mine is not None and mine.source == "my H200 run"
     assert tables.table_for("NVIDIA H20", (9, 0), str(folder)) is None
-    with pytest.raises(ValueError, match="DSV4_TABLES_DIR=.*is not a folder"):
+    with pytest.raises(ValueError, match=r"DSV4_TABLES_DIR=.*is not a folder"):
         tables.table_for("NVIDIA H200", None, str(tmp_path / "missing"))
     (folder / "NVIDIA_H20.json").write_text('{"device_name": "NVIDIA H20"}')
     tables.user_tables.cache_clear()
-    with pytest.raises(ValueError, match="NVIDIA_H20.json is malformed"):
+    with pytest.raises(ValueError, match=r"NVIDIA_H20\.json is malformed"):
         tables.table_for("NVIDIA H200", None, str(folder))
     tables.user_tables.cache_clear()

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from benchmarks import measure_table
+
 from dsv4_attention import policy, tables
 from dsv4_attention.facts import LayerFacts
 from dsv4_attention.policy import Device, Switches

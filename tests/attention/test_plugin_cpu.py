@@ -447,7 +447,9 @@ def test_c4a_layers_above_8_heads_follow_the_steps_rows(
         rt = _runtime(log, device, table, switches)
         # no host lengths: vLLM's metadata without them (its batch counts only)
         swa = (
-            types.SimpleNamespace(block_size=64, num_decodes=0, num_prefills=1, num_prefill_tokens=1)
+            types.SimpleNamespace(
+                block_size=64, num_decodes=0, num_prefills=1, num_prefill_tokens=1
+            )
             if rows is None
             else _step(*rows)
         )

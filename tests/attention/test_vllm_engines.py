@@ -300,7 +300,9 @@ def test_a_scratch_no_kind_takes_is_released(
                 out = torch.full_like(q, float("nan"))
                 layer.forward_mqa(q, None, step.positions, out)
                 want = reference_attention(layer, step, q, HEADS, engine.stack.topk_buffer)
-                torch.testing.assert_close(out[:, :HEADS].float(), want.float(), atol=2e-2, rtol=2e-2)
+                torch.testing.assert_close(
+                    out[:, :HEADS].float(), want.float(), atol=2e-2, rtol=2e-2
+                )
         # the first step with metadata: the profile run is over, nothing takes the scratch
         assert rt.decode_scratch is None and rt.prefill_scratch is None and rt.reserved == {}
         released = [r.getMessage() for r in caplog.records if "released" in r.getMessage()]

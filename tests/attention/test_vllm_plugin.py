@@ -433,9 +433,7 @@ UNMEASURED = [
 
 
 @pytest.mark.parametrize(("name", "capability"), UNMEASURED, ids=[n for n, _ in UNMEASURED])
-def test_a_gpu_without_a_measured_table_keeps_vllm(
-    name: str, capability: tuple[int, int]
-) -> None:
+def test_a_gpu_without_a_measured_table_keeps_vllm(name: str, capability: tuple[int, int]) -> None:
     """vLLM's platform reports a CUDA GPU (not forced) that has no table of its own, an
     SM90 one included (the H200's crossovers are not an H100's): vLLM's class from the
     selector, nothing replaced, and one line naming the missing table and the command
@@ -467,9 +465,7 @@ def test_a_table_a_user_measured_is_taken_from_dsv4_tables_dir(tmp_path: Path) -
     from dsv4_attention import tables
 
     name = "NVIDIA H100 80GB HBM3"
-    shipped = json.loads(
-        (Path(tables.__file__).parent / "tables" / "NVIDIA_H200.json").read_text()
-    )
+    shipped = json.loads((Path(tables.__file__).parent / "tables" / "NVIDIA_H200.json").read_text())
     table = {**shipped, "device_name": name, "source": "measured by the test"}
     (tmp_path / tables.file_name(name)).write_text(json.dumps(table))
     body = IMPORT_DSV4 + FAKE_CUDA + f"select({name!r}, (9, 0), plugin_sees_it=True)\n"

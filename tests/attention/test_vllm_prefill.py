@@ -582,7 +582,9 @@ def test_replaced_ops_fall_back_to_vllms_inside_its_prefill(
         for name in names:
             monkeypatch.setattr(flashmla, name, ops[name])
         out = torch.full((total, PADDED, 512), 7.0, dtype=torch.bfloat16)
-        base._forward_prefill(layer, q=q[num_decode_tokens:], output=out[num_decode_tokens:], **kwargs)
+        base._forward_prefill(
+            layer, q=q[num_decode_tokens:], output=out[num_decode_tokens:], **kwargs
+        )
         return out
 
     want = run({n: getattr(vllm_env.ops, n) for n in names})
@@ -598,5 +600,7 @@ def test_replaced_ops_fall_back_to_vllms_inside_its_prefill(
     capturing = OpsGuard(warning=warnings.append, capturing=lambda: True)
     combine = replacements({names[0]: getattr(vllm_env.ops, names[0])}, capturing)[names[0]]
     with pytest.raises(RuntimeError, match="injected fault"):
-        combine(batch["topk_buffer"], swa.query_start_loc, swa.seq_lens, None, 128, ratio, 512, 1, 1)  # type: ignore[attr-defined]
+        combine(
+            batch["topk_buffer"], swa.query_start_loc, swa.seq_lens, None, 128, ratio, 512, 1, 1
+        )  # type: ignore[attr-defined]
     assert capturing.failed == {} and len(warnings) == 2

@@ -464,8 +464,9 @@ def _activate(vllm_config: Any, base: type, family: str = "v4") -> None:
         native = _native_prefill(device)
         serving = dataclasses.replace(serving, family=family, native_prefill=native)
         runtime = HeadExactRuntime(serving, device, table, switches, access)
+        patches: list[_Patch] = []
         if _APPLIED:  # an earlier engine of this process put them in place
-            patches, names = [], list(_STATE["replaced"])
+            names = list(_STATE["replaced"])
         else:
             # V4.1 keeps its own ops: only V4's are replaced
             patches, names = _ops_patches() if table.combine and family == "v4" else ([], [])

@@ -58,9 +58,10 @@ class PrefillPlan:
     whose caches sit in different KV-cache groups, or whose metadata bound the
     window differently (DeepSeek-V4.1's decoder-side replay: its first replay
     layer's window floor is the batch's replay start, every later one's
-    ``max(replay_start, seq - window)``), each get their own rows.  A plan must not outlive its step: it holds the
-    block tables it has seen (so their memory cannot be reused for another
-    table within the step) and assumes their contents do not change.
+    ``max(replay_start, seq - window)``), each get their own rows.  A plan must
+    not outlive its step: it holds the block tables and window floors it has
+    seen (so their memory cannot be reused for another within the step) and
+    assumes their contents do not change.
 
     Args:
         query_start_loc: ``[num_reqs + 1]`` int32 cumulative query lengths of

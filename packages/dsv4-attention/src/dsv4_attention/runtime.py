@@ -48,7 +48,7 @@ import torch
 from . import policy, vllm_calls
 from .facts import FAMILY_RATIOS, LayerFacts, ServingConfig
 from .policy import Choice, Device, Switches
-from .scratch import PrefillScratch, ScratchSpec, scratch_bytes
+from .scratch import PrefillScratch, scratch_bytes
 from .tables import MeasuredTable
 
 __all__ = ["HeadExactRuntime", "KindState", "VllmAccess"]
