@@ -140,7 +140,7 @@ def native() -> Iterator[types.SimpleNamespace]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plugin, "_native_prefill", lambda device: True)
         mp.setattr(flashmla, "flash_mla_sparse_fwd", bundled)
-        mp.setattr(tables, "table_for", lambda name, capability: table)
+        mp.setattr(tables, "table_for", lambda name, capability=None, folder=None: table)
         with _logged() as log, hopper_attention_class() as cls:
             wrapper = flashmla.flash_mla_sparse_fwd
             yield types.SimpleNamespace(
@@ -219,7 +219,7 @@ def test_only_0_33_with_a_listed_head_count_installs_the_wrapper(
     monkeypatch.setattr(flashmla, "flash_mla_sparse_fwd", bundled)
     monkeypatch.setattr(ops, "is_flashmla_sparse_supported", lambda: (True, None))
     monkeypatch.setattr(sparse_mla, "wgmma_available", lambda: True)
-    monkeypatch.setattr(tables, "table_for", lambda name, capability: table)
+    monkeypatch.setattr(tables, "table_for", lambda name, capability=None, folder=None: table)
 
     class H200(FakeHopper):
         def get_device_name(self, device_id: int = 0) -> str:

@@ -28,10 +28,12 @@ the profile run, and the cache layout guard.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import types
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -416,7 +418,8 @@ def test_profile_run_reserves_what_the_largest_step_uses(
     fresh_cls: type, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """vLLM's profile run (its own forward_mqa without metadata, its own workspace
-    manager) decides every layer kind, reserves the prefill scratch and compiles the
+    manager) decides every layer kind, reserves the prefill scratch (inside the
+    allocation context vLLM's manager allocates its workspace in) and compiles the
     kernels; with the workspace locked as after vLLM's warm-up, the largest step runs on
     those buffers alone (vLLM's own prefill never runs, nothing is warned)."""
     from vllm.config import VllmConfig
@@ -433,7 +436,27 @@ def test_profile_run_reserves_what_the_largest_step_uses(
     # the one accelerator call of vLLM's manager (releasing cached memory before it
     # grows) has nothing to release on a CPU and raises there
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
-    workspace.init_workspace_manager(torch.device("cpu"))
+    inside: list[bool] = []
+    made: set[int] = set()  # tensors torch.empty made inside vLLM's allocation context
+    real_empty = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = real_empty(*args, **kwargs)
+        if inside:
+            made.add(t.data_ptr())
+        return t
+
+    @contextlib.contextmanager
+    def pool() -> Iterator[None]:
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+    workspace.init_workspace_manager(torch.device("cpu"), alloc_context=pool)
     try:
         with set_forward_context(None, VllmConfig()), caplog.at_level("INFO"):
             for layer in model.layers:
@@ -459,19 +482,15 @@ def test_profile_run_reserves_what_the_largest_step_uses(
         assert spec.c4a_topk == 512 and spec.c128a_width == 128  # 4096 / 128 -> 32 -> 128
         assert rt.reserved == {"prefill": scratch_bytes(spec)}
         memory = [
-            r.getMessage() for r in caplog.records if "from vLLM's workspace" in r.getMessage()
+            r.getMessage() for r in caplog.records if "in vLLM's profile run" in r.getMessage()
         ]
         assert len(memory) == 1 and f"budget {MAX_TOKENS} tokens" in memory[0], memory
-        manager = workspace.current_workspace_manager()
-        # vLLM's manager keys a persistent tensor as (torch.Tensor, our key)
-        reserved = {
-            key[1][1]: tensor
-            for key, tensor in manager._persistent_resources[0].items()
-            if key[1][0] == "dsv4_attention.prefill"
-        }
+        assert "workspace memory pool" in memory[0]
+        reserved = dict(rt.prefill_scratch.buffers)
         assert set(reserved) == set(prefill_scratch_sizes(spec))
-        for name, tensor in reserved.items():
-            assert rt.prefill_scratch.buffers[name].data_ptr() == tensor.data_ptr(), name
+        # every buffer allocated inside the manager's allocation context (sleep's pool)
+        assert all(t.data_ptr() in made for t in reserved.values())
+        monkeypatch.setattr(torch, "empty", real_empty)
         workspace.lock_workspace()
         monkeypatch.setattr(
             base, "_forward_prefill", lambda self, **kw: pytest.fail("vLLM's prefill ran")
@@ -499,7 +518,7 @@ def test_profile_run_reserves_what_the_largest_step_uses(
             assert any(
                 b.data_ptr() <= tensor.data_ptr() < b.data_ptr() + b.numel() * b.element_size()
                 for b in buffers
-            ), "a row buffer of the step is not one vLLM's workspace reserved"
+            ), "a row buffer of the step is not one of the reserved scratch"
     finally:
         workspace.reset_workspace_manager()
 

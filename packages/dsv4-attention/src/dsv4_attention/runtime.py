@@ -262,8 +262,9 @@ class HeadExactRuntime:
         manager = self._manager()
         if manager is not None and getattr(manager, "is_locked", _never)():
             refusal = "vLLM's workspace was locked before this layer's first call"
-            self._prefill_refusal = self._decode_refusal = f"no scratch reserved: {refusal}"
-            self.access.info(f"dsv4-attention: {self._prefill_refusal}")
+            self._prefill_refusal = f"no prefill scratch could be reserved ({refusal})"
+            self._decode_refusal = f"no decode scratch could be reserved ({refusal})"
+            self.access.info(f"dsv4-attention: no scratch could be reserved ({refusal})")
             return
         if prefill:
             from dsv4_kernels import sparse_mla
