@@ -552,3 +552,37 @@ def test_a_raising_step_goes_back_to_vllm_once_warned(
         captured.prefill(
             _layer(8, 1), Q, None, _pages(64), torch.empty_like(Q), attn, _step([9], [9])
         )
+
+
+@pytest.mark.parametrize(
+    ("family", "ratio", "rows"),
+    [
+        ("v4", 1, "WINDOW"),
+        ("v4", 4, "TOPK"),
+        ("v4", 128, "ALL"),
+        ("v41", 0, "WINDOW"),
+        ("v41", 1, "TOPK"),
+        ("v41", 2, "TOPK"),
+    ],
+)
+def test_one_rule_from_ratio_to_rows(family: str, ratio: int, rows: str) -> None:
+    """vLLM's ratio of each family gives one row kind (``geometry.FAMILY_ROW_KINDS``),
+    and the layer's facts, the plan's helpers and the index kernels' rule
+    (``geometry.row_kind`` of the ratio the kernels are given) all say the same."""
+    from dsv4_attention import prefill_plan
+    from dsv4_kernels.geometry import FAMILY_ROW_KINDS, RowKind, row_kind
+
+    kind = RowKind[rows]
+    assert FAMILY_ROW_KINDS[family][ratio] is kind
+    facts = LayerFacts("l", ratio, 8, 128, 512, 1024, 64, 128, family=family)
+    assert facts.rows is kind and facts.topk_rows == (kind is RowKind.TOPK)
+    assert facts.compressed == kind.compressed
+    topk = object() if facts.topk_rows else None
+    assert row_kind(facts.kernel_ratio, topk is not None) is kind
+    assert prefill_plan.topk_rows(facts.kernel_ratio, topk) == facts.topk_rows
+    assert prefill_plan.has_compressed_rows(facts.kernel_ratio, topk) == kind.compressed
+    assert (facts.comp_page_slots is None) == (not kind.compressed)
+    unknown = LayerFacts("l", 3, 8, 128, 512, 1024, 64, 128, family=family)
+    assert unknown.rows is None and unknown.kind is None and not unknown.compressed
+    with pytest.raises(ValueError, match="compress_ratio must be None, 1"):
+        row_kind(3, False)

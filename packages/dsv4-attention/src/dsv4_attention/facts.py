@@ -17,7 +17,13 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4_kernels.geometry import KV_BLOCK_SIZE, WINDOW_SIZE, slots_per_page
+from dsv4_kernels.geometry import (
+    FAMILY_ROW_KINDS,
+    KV_BLOCK_SIZE,
+    WINDOW_SIZE,
+    RowKind,
+    slots_per_page,
+)
 
 from .vllm_targets import V41_ARCHITECTURES
 
@@ -25,15 +31,24 @@ __all__ = ["C128A_WIDTH_ALIGNMENT", "LayerFacts", "ServingConfig", "read_serving
 
 # vLLM rounds its C128A row width up to a multiple of this (``_C128A_TOPK_ALIGNMENT``)
 C128A_WIDTH_ALIGNMENT = 128
-# Layer kinds by model family and vLLM's ``compress_ratio``: DeepSeek-V4 marks its
-# window-only layers 1; DeepSeek-V4.1 marks them 0 and its full-length compressed
-# layers 1 (its ratio-1 and ratio-2 layers read top-k rows, as V4's C4A).
+# Layer kinds by model family and vLLM's ``compress_ratio`` (their names, for the log
+# and the measured tables): DeepSeek-V4 marks its window-only layers 1; DeepSeek-V4.1
+# marks them 0 and its full-length compressed layers 1.  What rows each reads is
+# ``dsv4_kernels.geometry.FAMILY_ROW_KINDS``, the one rule from ratio to rows.
 KINDS = {
     "v4": {1: "swa", 4: "c4a", 128: "c128a"},
     "v41": {0: "swa", 1: "c1a", 2: "c2a"},
 }
+assert {f: set(k) for f, k in KINDS.items()} == {f: set(k) for f, k in FAMILY_ROW_KINDS.items()}, (
+    "a layer kind without its rows"
+)
 FAMILY_RATIOS = {family: tuple(kinds) for family, kinds in KINDS.items()}
-TOPK_KINDS = ("c4a", "c1a", "c2a")
+TOPK_KINDS = tuple(
+    KINDS[f][r]
+    for f, rows in FAMILY_ROW_KINDS.items()
+    for r, k in rows.items()
+    if k is RowKind.TOPK
+)
 KIND_TEXT = {
     "swa": "SWA-only",
     "c4a": "C4A",
@@ -207,15 +222,25 @@ class LayerFacts:
         return KINDS.get(self.family, {}).get(self.compress_ratio)
 
     @property
+    def rows(self) -> RowKind | None:
+        """What the layer's index rows hold after its window (None: an unknown ratio)."""
+        return FAMILY_ROW_KINDS.get(self.family, {}).get(self.compress_ratio)
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the layer reads a compressed cache (top-k rows or every entry)."""
+        return self.rows is not None and self.rows.compressed
+
+    @property
     def topk_rows(self) -> bool:
         """Whether the layer reads the indexer's top-k rows (C4A, V4.1's compressed)."""
-        return self.kind in TOPK_KINDS
+        return self.rows is RowKind.TOPK
 
     @property
     def kernel_ratio(self) -> int:
         """The ``compress_ratio`` our kernels are given: 1 for window-only layers (V4.1's
         0), else vLLM's (a ratio-1 layer with top-k rows is compressed)."""
-        return 1 if self.kind == "swa" else self.compress_ratio
+        return 1 if self.rows is RowKind.WINDOW else self.compress_ratio
 
     @property
     def kind_text(self) -> str:
@@ -226,12 +251,12 @@ class LayerFacts:
         """Columns of the compressed part of a row (0 for SWA-only layers)."""
         if self.topk_rows:
             return self.topk
-        return self.c128a_width if self.kind == "c128a" else 0
+        return self.c128a_width if self.rows is RowKind.ALL else 0
 
     @property
     def comp_page_slots(self) -> int | None:
         """Compressed entries per cache page (None for SWA-only layers)."""
-        if self.kind in (None, "swa"):
+        if self.rows is None or not self.rows.compressed:
             return None
         return slots_per_page(self.kernel_ratio, KV_BLOCK_SIZE)
 

@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dsv4_kernels.geometry import RowKind
+
 from .facts import LayerFacts, ServingConfig
 from .scratch import ScratchSpec
 from .tables import DecodeTable, MeasuredTable, PrefillLimits
@@ -314,7 +316,7 @@ def prefill_scratch_spec(facts: Sequence[LayerFacts], max_group: int) -> Scratch
         window_size=max(f.window for f in facts),
         max_group=max_group,
         c4a_topk=max((f.topk for f in facts if f.topk_rows), default=0),
-        c128a_width=max((f.c128a_width for f in facts if f.kind == "c128a"), default=0),
+        c128a_width=max((f.c128a_width for f in facts if f.rows is RowKind.ALL), default=0),
         window_slots=WINDOW_ROW_SETS,
         c128a_slots=1,
     )

@@ -12,27 +12,37 @@ from typing import Any
 import torch
 
 import dsv4_kernels as dk
-from dsv4_kernels.geometry import SWA_BLOCK_SIZE, WINDOW_SIZE, slots_per_page
+from dsv4_kernels.geometry import (
+    LAYER_RATIOS,
+    SWA_BLOCK_SIZE,
+    WINDOW_SIZE,
+    RowKind,
+    row_kind,
+    slots_per_page,
+)
 
 from .scratch import PrefillScratch
 
 __all__ = ["LAYER_RATIOS", "PrefillPlan", "has_compressed_rows", "topk_rows"]
 
-# Ratios a layer's rows are built for: 1 SWA-only (or, with the indexer's top-k,
-# DeepSeek-V4.1's full-length compressed layers), 2 V4.1's ratio-2 layers, 4 C4A,
-# 128 C128A.
-LAYER_RATIOS = (1, 2, 4, 128)
+
+def _kind(compress_ratio: int, topk_indices: object) -> RowKind | None:
+    """The rows of a layer (``geometry.row_kind``), None for a ratio of no layer."""
+    if compress_ratio not in LAYER_RATIOS:
+        return None
+    return row_kind(compress_ratio, topk_indices is not None)
 
 
 def topk_rows(compress_ratio: int, topk_indices: object) -> bool:
     """Whether a layer's compressed rows are the indexer's top-k (C4A; V4.1's ratio-2
     layers; V4.1's full-length layers, ratio 1 with ``topk_indices``)."""
-    return compress_ratio in (2, 4) or (compress_ratio == 1 and topk_indices is not None)
+    return _kind(compress_ratio, topk_indices) is RowKind.TOPK
 
 
 def has_compressed_rows(compress_ratio: int, topk_indices: object) -> bool:
     """Whether a layer reads a compressed cache (top-k rows or C128A's every entry)."""
-    return compress_ratio == 128 or topk_rows(compress_ratio, topk_indices)
+    kind = _kind(compress_ratio, topk_indices)
+    return kind is not None and kind.compressed
 
 
 def _table_key(kind: str, table: torch.Tensor, *extra: Any) -> tuple[Any, ...]:

@@ -397,7 +397,7 @@ class HeadExactRuntime:
                     self.decode_scratch,
                     tokens=policy.decode_warmup_tokens(f.max_tokens),
                     window_width=f.decode_window_width,
-                    compressed=f.kind != "swa",
+                    compressed=f.compressed,
                 )
             if self.device.wgmma and not self.device.forced and not wgmma_available():
                 raise RuntimeError("the Gluon wgmma kernel failed to build")
@@ -459,7 +459,7 @@ class HeadExactRuntime:
         if held is not None and held[0] == key:
             return bool(held[1])
         problem = vllm_calls.cache_layout_problem(facts, swa_cache, swa_block_size, "window")
-        if problem is None and facts.kind != "swa":
+        if problem is None and facts.compressed:
             slots = None if comp_block_size is None else comp_block_size // facts.compress_ratio
             problem = vllm_calls.cache_layout_problem(facts, comp_cache, slots, "compressed")
         layer._dsv4_layout = (key, problem is None)
@@ -532,7 +532,7 @@ class HeadExactRuntime:
                 mean = self._step_mean_keys(facts, swa_metadata)
             if not policy.prefill_step_takes_ours(facts, self.table.prefill, self.switches, mean):
                 return False
-            comp_block = None if facts.kind == "swa" else int(attn_metadata.block_size)
+            comp_block = int(attn_metadata.block_size) if facts.compressed else None
             if not self._layout_ok(
                 layer,
                 facts,

@@ -121,7 +121,7 @@ def run_prefill(
     heads = facts.heads
     num_decodes = int(swa_metadata.num_decodes)
     comp: dict[str, Any] = {}
-    if facts.kind != "swa":
+    if facts.compressed:
         assert compressed_k_cache is not None
         comp = {
             "comp_cache": compressed_k_cache,

@@ -20,7 +20,7 @@ from ._validation import (
     check_tensor,
     use_triton,
 )
-from .geometry import slots_per_page
+from .geometry import RowKind, row_kind, slots_per_page
 from .reference.prefill_indices import GroupedPrefillIndices, PrefillIndices
 
 # Tile sizes (compile-time constants; not yet tuned on a GPU).
@@ -28,12 +28,9 @@ BLOCK_T = 8
 BLOCK_C = 128
 BLOCK_R = 16
 NUM_WARPS = 2
-# Compressed rows: a top-k row maps the indexer's local indices (V4's C4A at ratio
-# 4; DeepSeek-V4.1's full-length and ratio-2 layers at 1 and 2), a generated row
-# lists every entry (C128A).  Ratio 1 without ``topk_indices`` is V4's SWA-only.
-TOPK_RATIOS = (1, 2, 4)
-GENERATED_RATIO = 128
-COMPRESSED_RATIOS = (2, 4, GENERATED_RATIO)
+# Compressed rows by ratio: ``geometry.row_kind`` (a top-k row maps the indexer's
+# local indices, a generated row lists every entry; ratio 1 without ``topk_indices`` is
+# V4's SWA-only).
 
 
 def _check_block_table(name: str, t: object, num_reqs: int, device: torch.device) -> torch.Tensor:
@@ -125,7 +122,8 @@ def _build(
         tables.append(("window_block_table", window_block_table, window_block_size, 1))
 
     ratio = 1 if compress_ratio is None else compress_ratio
-    if compress_ratio is None or (ratio == 1 and topk_indices is None):
+    kind = row_kind(compress_ratio, topk_indices is not None)
+    if kind is RowKind.WINDOW:
         for name, value in (
             ("comp_block_table", comp_block_table),
             ("topk_indices", topk_indices),
@@ -136,14 +134,9 @@ def _build(
                     f"{name} must be None without a compressed row (compress_ratio None or 1 "
                     "without topk_indices)"
                 )
-        mode = 0
+        mode = int(RowKind.WINDOW)
         topk = 0
     else:
-        if ratio not in TOPK_RATIOS and ratio != GENERATED_RATIO:
-            raise ValueError(
-                f"compress_ratio must be None, 1 (SWA-only, or top-k rows with topk_indices), "
-                f"2 or 4 (top-k rows) or 128 (C128A), got {compress_ratio}"
-            )
         if comp_block_table is None:
             raise ValueError(f"comp_block_table is needed for compress_ratio {ratio}")
         _check_block_table("comp_block_table", comp_block_table, num_reqs, device)
@@ -151,7 +144,7 @@ def _build(
             comp_block_size = slots_per_page(ratio)
         check_positive_int("comp_block_size", comp_block_size)
         tables.append(("comp_block_table", comp_block_table, comp_block_size, ratio))
-        if ratio in TOPK_RATIOS:
+        if kind is RowKind.TOPK:
             if topk_indices is None:
                 raise ValueError(
                     "topk_indices (the indexer's top-k) is needed for C4A rows (top-k rows "
@@ -168,7 +161,7 @@ def _build(
                 )
             if topk > 1 and topk_indices.stride(1) != 1:
                 raise ValueError("topk_indices must be contiguous in its last dimension")
-            mode = 1
+            mode = int(RowKind.TOPK)
         else:
             if topk_indices is not None:
                 raise ValueError(
@@ -178,7 +171,7 @@ def _build(
             if topk is None:
                 raise ValueError("topk (the C128A row width) is needed for compress_ratio 128")
             check_nonnegative_int("topk", topk)
-            mode = 2
+            mode = int(RowKind.ALL)
     if window_block_table is None and mode == 0:
         raise ValueError(
             "nothing to build: give window_block_table and/or a compressed row (top-k rows "

@@ -11,6 +11,8 @@ globals made from these names once (:mod:`dsv4_kernels._jit_layout`).
 
 from __future__ import annotations
 
+import enum
+
 # --- latent KV head -------------------------------------------------------
 HEAD_DIM = 512  # one latent KV head: 448 "nope" + 64 "rope" values
 NOPE_DIM = 448
@@ -46,6 +48,11 @@ SUPPORTED_COMPRESS_RATIOS = (1, C4A_RATIO, C128A_RATIO)  # SWA-only, C4A, C128A
 V41_COMPRESS_RATIOS = (0, 1, 2)
 # Ratios of a compressed cache whose pages the kernels read (256 / ratio entries).
 PAGED_COMPRESS_RATIOS = (1, 2, C4A_RATIO, C128A_RATIO)
+# Ratios a layer's index rows are built for (the kernels' convention): 1 window only (or,
+# with top-k indices, DeepSeek-V4.1's full-length compressed layers), 2 V4.1's ratio 2,
+# 4 C4A, 128 C128A.
+LAYER_RATIOS = (1, 2, C4A_RATIO, C128A_RATIO)
+TOPK_RATIOS = (1, 2, C4A_RATIO)  # compressed rows from the indexer's top-k
 TOPK_FLASH = 512  # index_topk, DeepSeek-V4-Flash
 TOPK_PRO = 1024  # index_topk, DeepSeek-V4-Pro
 COMBINED_ALIGNMENT = 128  # combined rows are padded to a multiple of this
@@ -76,3 +83,41 @@ def page_stride_bytes(slots: int) -> int:
     if slots <= 0:
         raise ValueError(f"slots per page must be positive, got {slots}")
     return round_up(slots * TOKEN_BYTES, PAGE_ALIGN)
+
+
+class RowKind(enum.IntEnum):
+    """What a layer's index rows hold after its window: the one rule from compress ratio
+    to rows (the index kernels' ``MODE``; :data:`FAMILY_ROW_KINDS` for vLLM's ratios)."""
+
+    WINDOW = 0  # the window only: V4's SWA-only layers (ratio 1), V4.1's (ratio 0)
+    TOPK = 1  # the indexer's top-k compressed entries: V4's C4A, V4.1's ratios 1 and 2
+    ALL = 2  # every compressed entry so far, generated: V4's C128A
+
+    @property
+    def compressed(self) -> bool:
+        """Whether the rows read a compressed cache."""
+        return self is not RowKind.WINDOW
+
+
+# vLLM's ``compress_ratio`` of a layer -> its rows, per model family (DeepSeek-V4,
+# DeepSeek-V4.1); a ratio missing here is a layer kind nothing of ours knows.
+FAMILY_ROW_KINDS: dict[str, dict[int, RowKind]] = {
+    "v4": {1: RowKind.WINDOW, C4A_RATIO: RowKind.TOPK, C128A_RATIO: RowKind.ALL},
+    "v41": {0: RowKind.WINDOW, 1: RowKind.TOPK, 2: RowKind.TOPK},
+}
+
+
+def row_kind(compress_ratio: int | None, has_topk: bool) -> RowKind:
+    """The rows of a layer the kernels are given ``compress_ratio`` for (None or 1
+    without top-k indices: window only; 1, 2 or 4 with them: top-k rows; 128: every
+    entry); ``ValueError`` naming the ratio otherwise."""
+    if compress_ratio is None or (compress_ratio == 1 and not has_topk):
+        return RowKind.WINDOW
+    if compress_ratio in TOPK_RATIOS:
+        return RowKind.TOPK
+    if compress_ratio == C128A_RATIO:
+        return RowKind.ALL
+    raise ValueError(
+        "compress_ratio must be None, 1 (SWA-only, or top-k rows with topk_indices), "
+        f"2 or 4 (top-k rows) or 128 (C128A), got {compress_ratio!r}"
+    )
