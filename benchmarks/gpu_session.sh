@@ -12,7 +12,10 @@
 #   4. runs the whole-model step benchmark into $OUT/model_step (vLLM's own metadata
 #      kernels where the tree carries .vllm_peer, staged by
 #      python3 -m benchmarks.support.vllm_peer where vLLM is installed; log:
-#      $OUT/model_step.log).
+#      $OUT/model_step.log);
+#   5. with MEASURE_TABLE=1, measures this GPU's table into $OUT/table
+#      (python3 -m benchmarks.measure_table; log: $OUT/table.log) and checks that the
+#      plugin's runtime takes it from DSV4_TABLES_DIR.
 # Everything is printed as it runs.  Usage, from anywhere in the checkout:
 #   OUT=results/h200 DSV4_GIT_SHA=<sha> bash benchmarks/gpu_session.sh
 # ($OUT defaults to results/; set DSV4_GIT_SHA when the tree is a copy without .git.)
@@ -52,6 +55,25 @@ echo "== model step: python3 -m benchmarks.model_step ${peer[*]} --out $OUT/mode
 PYTHONPATH="$SRC:." python3 -m benchmarks.model_step "${peer[@]}" --out "$OUT/model_step" 2>&1 | tee "$OUT/model_step.log"
 step_rc=${PIPESTATUS[0]}
 
-echo "== exit codes: FlashMLA build $build_rc, GPU tests $tests_rc, benchmark $bench_rc, model step $step_rc"
+table_rc=0
+if [ "${MEASURE_TABLE:-0}" = "1" ]; then
+    echo "== measured table: python3 -m benchmarks.measure_table --out $OUT/table"
+    PYTHONPATH="$SRC:." python3 -m benchmarks.measure_table --out "$OUT/table" 2>&1 | tee "$OUT/table.log"
+    table_rc=${PIPESTATUS[0]}
+    if [ "$table_rc" -eq 0 ]; then
+        DSV4_TABLES_DIR="$OUT/table" PYTHONPATH="$SRC:." python3 -c "
+import torch
+from dsv4_attention import tables
+from dsv4_attention.policy import Switches
+name = torch.cuda.get_device_name()
+table = tables.table_for(name, None, Switches.read().tables_dir)
+assert table is not None and table.source.startswith('benchmarks.measure_table'), table
+print('the runtime takes the measured table of', name, '; decode rows:', sorted(table.decode.ratios))
+" 2>&1 | tee -a "$OUT/table.log"
+        table_rc=${PIPESTATUS[0]}
+    fi
+fi
+
+echo "== exit codes: FlashMLA build $build_rc, GPU tests $tests_rc, benchmark $bench_rc, model step $step_rc, table $table_rc"
 ls -l "$OUT"
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$step_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$step_rc" -eq 0 ] && [ "$table_rc" -eq 0 ]
