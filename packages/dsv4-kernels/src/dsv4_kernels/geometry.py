@@ -34,6 +34,11 @@ TOKEN_SCALE_BYTES = NUM_QUANT_BLOCKS + 1  # 7 exponents + 1 zero byte
 TOKEN_BYTES = TOKEN_DATA_BYTES + TOKEN_SCALE_BYTES  # 584
 PAGE_ALIGN = TOKEN_DATA_BYTES  # page stride is rounded up to 576 bytes
 
+# --- lightning indexer key cache (vLLM's FP8 layout) ----------------------
+INDEX_DIM = 128  # index_head_dim: values per compressed index key
+INDEX_SCALE_BYTES = 4  # one float32 power-of-two scale per key
+INDEX_ENTRY_BYTES = INDEX_DIM + INDEX_SCALE_BYTES  # 132: a page holds all codes, then all scales
+
 # --- paging ---------------------------------------------------------------
 KV_BLOCK_SIZE = 256  # tokens per KV page (`--block-size 256`)
 SWA_BLOCK_SIZE = 64  # tokens per sliding-window cache page
