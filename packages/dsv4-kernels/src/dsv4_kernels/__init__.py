@@ -16,6 +16,7 @@ from .decode import (
     make_decode_scratch,
     sparse_mla_decode,
 )
+from .indexer import indexer_decode_topk
 from .kv_cache import (
     dequantize_and_gather_k_cache,
     empty_k_cache,
@@ -44,6 +45,7 @@ __all__ = [
     "dequantize_and_gather_k_cache",
     "empty_k_cache",
     "geometry",
+    "indexer_decode_topk",
     "k_cache_page_stride",
     "make_decode_scratch",
     "quantize_and_insert_k_cache",

@@ -1,0 +1,114 @@
+"""The decode indexer kernels (``dsv4_kernels.indexer_decode_topk``; Triton's interpreter
+on CPU) against the reference on fresh random inputs: the selected set of every row
+equals the reference's (rows longer and shorter than k, empty rows, MTP rows of
+different lengths, holes in the block table, a strided page layout, ties at the k-th
+place taken lowest position first as the reference does), -1 after a row's entries,
+a poisoned output written in its first ``topk`` columns of its first ``T`` rows only;
+bad input named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsv4_kernels as dk
+from dsv4_kernels.reference import indexer as ref
+from dsv4_kernels.testing.common import fresh_seed, generator
+from dsv4_kernels.testing.indexer import make_indexer_step
+
+from .test_indexer_reference import _copy_entry, _oracle_scores
+
+
+def _run(step, topk: int, max_entries: int, extra_rows: int = 2):  # type: ignore[no-untyped-def]
+    T = step.q.shape[0]
+    out = torch.full((T + extra_rows, topk + 3), -7, dtype=torch.int32)
+    got = dk.indexer_decode_topk(
+        step.q, step.weights, step.cache, step.lens, step.row_req, step.block_table, topk,
+        out, max_entries=max_entries,
+    )  # fmt: skip
+    assert got.data_ptr() == out.data_ptr()
+    assert bool((out[:, topk:] == -7).all()) and bool((out[T:] == -7).all()), "wrote outside"
+    return out[:T, :topk]
+
+
+def _same_sets(got: torch.Tensor, want: torch.Tensor, lens: torch.Tensor, where: str) -> None:
+    for t in range(got.shape[0]):
+        n = min(int(lens[t]), got.shape[1])
+        g, w = got[t].tolist(), want[t].tolist()
+        assert g[n:] == [-1] * (len(g) - n) and w[n:] == g[n:], f"{where}, row {t}: the -1 fill"
+        assert sorted(g[:n]) == sorted(w[:n]), f"{where}, row {t}"
+
+
+@pytest.mark.parametrize("heads", [8, 32, 64])
+@pytest.mark.parametrize("topk", [16, 64])
+def test_selected_sets_equal_the_reference(heads: int, topk: int) -> None:
+    seed = fresh_seed()
+    g = generator(seed)
+    row_lens = [[299, 300], [0, 0], [9, 10], [63, 64], [65, 64]]
+    step = make_indexer_step([300, 0, 10, 64, 65], g, heads=heads, topk=topk, rows_per_request=2,
+                             row_lens=row_lens, entries_per_page=64)  # fmt: skip
+    got = _run(step, topk, 320)
+    want = ref.indexer_decode_topk(
+        step.q, step.weights, step.cache, step.lens, step.row_req, step.block_table, topk
+    )
+    _same_sets(got, want, step.lens, f"seed {seed}")
+
+
+def test_ties_at_the_kth_place_lowest_position_first() -> None:
+    seed = fresh_seed()
+    g = generator(seed)
+    topk = 16
+    step = make_indexer_step([200, 150], g, heads=16, topk=topk, entries_per_page=32, ties=6)
+    scores = _oracle_scores(step)[0]
+    ranked = sorted(range(len(scores)), key=lambda j: (-scores[j], j))
+    kth = ranked[topk - 1]
+    for below in ranked[topk + 2 : topk + 5]:  # three more entries tied with the k-th
+        _copy_entry(step, 0, kth, below)
+    got = _run(step, topk, 256)
+    want = ref.indexer_decode_topk(
+        step.q, step.weights, step.cache, step.lens, step.row_req, step.block_table, topk
+    )
+    _same_sets(got, want, step.lens, f"seed {seed}")
+    tied = [j for j, s in enumerate(_oracle_scores(step)[0]) if s == scores[kth]]
+    assert len(tied) == 4
+    assert sorted(set(got[0].tolist()) & set(tied)) == sorted(tied)[:1], "lowest position first"
+
+
+def test_a_strided_cache_and_a_scores_scratch() -> None:
+    """vLLM's block-outer page stride (pages further apart than their 64 x 132 bytes) and
+    a caller's scores scratch wider than needed (what a CUDA graph reuses)."""
+    seed = fresh_seed()
+    g = generator(seed)
+    step = make_indexer_step([130, 70], g, heads=32, topk=32, entries_per_page=64)
+    pages, entries = step.cache.shape[:2]
+    stride = entries * 132 + 1152
+    flat = torch.zeros(pages * stride, dtype=torch.uint8)
+    strided = flat.as_strided((pages, entries, 132), (stride, 132, 1))
+    strided.copy_(step.cache)
+    scores = torch.full((5, 400), float("nan"))
+    out = torch.full((2, 32), -7, dtype=torch.int32)
+    dk.indexer_decode_topk(step.q, step.weights, strided, step.lens, step.row_req,
+                           step.block_table, 32, out, max_entries=130, scores=scores)  # fmt: skip
+    want = ref.indexer_decode_topk(
+        step.q, step.weights, step.cache, step.lens, step.row_req, step.block_table, 32
+    )
+    _same_sets(out, want, step.lens, f"seed {seed}")
+
+
+def test_bad_input_is_named() -> None:
+    g = generator(fresh_seed())
+    s = make_indexer_step([40], g, heads=16, topk=8)
+    out = torch.zeros((1, 8), dtype=torch.int32)
+    args = (s.q, s.weights, s.cache, s.lens, s.row_req, s.block_table, 8, out)
+    with pytest.raises(ValueError, match="q must have dtype"):
+        dk.indexer_decode_topk(s.q.float(), *args[1:], max_entries=64)
+    with pytest.raises(ValueError, match="weights must be"):
+        dk.indexer_decode_topk(s.q, s.weights[:, :4], *args[2:], max_entries=64)
+    with pytest.raises(ValueError, match="cache must be"):
+        dk.indexer_decode_topk(*args[:2], s.cache[:, :, :128], *args[3:], max_entries=64)
+    with pytest.raises(ValueError, match="out must be"):
+        dk.indexer_decode_topk(*args[:7], out[:, :4], max_entries=64)
+    with pytest.raises(ValueError, match="scores must be"):
+        dk.indexer_decode_topk(*args, max_entries=64, scores=torch.zeros(1, 8))
+    with pytest.raises(ValueError, match="lens must have dtype"):
+        dk.indexer_decode_topk(*args[:3], s.lens.long(), *args[4:], max_entries=64)
