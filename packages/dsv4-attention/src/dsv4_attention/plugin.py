@@ -17,12 +17,16 @@ DeepSeek-V4 model:
   current config already names a model of neither family, it installs nothing
   and logs ``not active`` (the other family's package, imported in passing, is
   left alone);
-* the first call of that selector is the start-up decision: the served
-  configuration is read once (``dsv4_attention.facts``), the GPU's measured
-  table is looked up (``dsv4_attention.tables``; a GPU family never measured
-  gets nothing replaced), one :class:`~dsv4_attention.runtime.HeadExactRuntime`
-  is built, the ops replacements are applied, and one line says what was
-  replaced for which model:
+* the first call of that selector while an engine builds its model is that
+  engine's start-up decision (an engine is known by its workspace manager, so a
+  second engine in the process decides anew): the served configuration is read
+  once (``dsv4_attention.facts``), the GPU's own measured table is looked up
+  (``dsv4_attention.tables``, by exact device name; a GPU never measured gets
+  nothing replaced and a line naming the command that measures its table), one
+  :class:`~dsv4_attention.runtime.HeadExactRuntime` is built for the engine, the
+  ops replacements are applied (the first engine's, process-wide, each falling
+  back to vLLM's own on an error of ours), and one line says what was replaced
+  for which model:
   ``dsv4-attention <version>: active for DeepseekV4ForCausalLM on vLLM <version> (...)``;
   each layer kind then logs its own decision in vLLM's profile run.  Any
   failure there replaces nothing and logs ``not active`` with the reason.
@@ -34,8 +38,8 @@ DeepSeek-V4 model:
 Switches: ``DSV4_KERNELS_DISABLE=1`` turns the whole plugin off (the A/B
 switch ``dsv4 compare`` uses); ``DSV4_PREFILL_DISABLE=1`` / ``DSV4_DECODE_DISABLE=1``
 keep vLLM's own prefill / decode; ``DSV4_PREFILL_MAX_HEADS=N`` overrides the
-measured head limit of the prefill; ``DSV4_KERNELS_FORCE=1`` decides as on the
-H200 on other platforms (tests on vLLM's CPU build; our functions run their
+measured head limit of the prefill; ``DSV4_TABLES_DIR=DIR`` adds tables a user
+measured; ``DSV4_KERNELS_FORCE=1`` decides as on the H200 on other platforms (tests on vLLM's CPU build; our functions run their
 torch references on CPU tensors).  Everything is reversible with
 :func:`unregister`.  Design: ``docs/design.md``.
 """
@@ -629,14 +633,15 @@ def patched() -> list[str]:
 
 
 def is_active() -> bool:
-    """Whether this process made the start-up decision for a DeepSeek-V4 or V4.1 model
-    and runs the plugin's runtime (its replacements in place)."""
+    """Whether the engine that built a DeepSeek-V4 or V4.1 model last in this process runs
+    the plugin's runtime (the replacements in place)."""
     return _STATE["runtime"] is not None
 
 
 def runtime() -> Any:
-    """This process's :class:`~dsv4_attention.runtime.HeadExactRuntime` (None before a
-    DeepSeek-V4 model was built, or when the plugin is not active)."""
+    """The :class:`~dsv4_attention.runtime.HeadExactRuntime` of the engine that built a
+    DeepSeek-V4 model last in this process (each engine's own is its attention class's
+    ``dsv4_runtime``); None before one was built, or when the plugin is not active."""
     return _STATE["runtime"]
 
 

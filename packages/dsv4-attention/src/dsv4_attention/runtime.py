@@ -1,4 +1,4 @@
-"""The plugin's one runtime object per process: decisions, scratch, warm-ups and step state.
+"""The plugin's runtime object, one per engine: decisions, scratch, warm-ups and step state.
 
 :class:`HeadExactRuntime` is built by the plugin when vLLM first builds a
 DeepSeek-V4 attention layer.  It holds everything the head-exact paths need
@@ -13,14 +13,17 @@ across layers and steps, so there is no module state anywhere else:
   line says what the kind runs and why.  Whatever fails there (a scratch that
   cannot be reserved, a compile error, a kernel that does not build its fast
   variant) leaves that kind on vLLM's path for the whole run.
-* **Scratch from vLLM's workspace.**  Both scratches are reserved once, at the
-  first layer, as persistent buffers of vLLM's workspace manager, sized for the
-  widest row and the largest step vLLM can schedule under the configuration
-  (the token budget; DSpark's wider drafter rows), so vLLM's memory profile
-  counts them; the bytes are logged once.
+* **Scratch where vLLM keeps its workspace.**  Both scratches are reserved once,
+  at the first layer (in vLLM's profile run, so its memory profile counts them),
+  inside the allocation context of the engine's workspace manager (sleep mode's
+  discarded pool), sized for the widest row and the largest step vLLM can schedule
+  under the configuration (the token budget; DSpark's wider drafter rows); the
+  bytes are logged once; a scratch no kind takes is released after the profile
+  run.
 * **Steps.**  A step's prefill plan (index rows shared by the layers of a kind)
   is keyed on vLLM's forward context, not on a metadata object (DSV4's two
-  window KV-cache groups each get their own).  Any exception from our path in
+  window KV-cache groups each get their own); its rows are keyed by each layer's
+  own table, window and window floor, read from the layer's own metadata.  Any exception from our path in
   a step that is not being captured into a CUDA graph sends the call to vLLM's
   own method, logs one warning, and leaves that kind on vLLM's path from then
   on; under capture it propagates, so it fails vLLM's start-up instead of a
@@ -141,7 +144,7 @@ class _Step:
 
 
 class HeadExactRuntime:
-    """Everything the plugin decides and holds in one process (module docstring).
+    """Everything the plugin decides and holds for one engine (module docstring).
 
     Args:
         serving: the served configuration, read once from vLLM's config.
