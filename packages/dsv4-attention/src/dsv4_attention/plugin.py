@@ -39,9 +39,10 @@ Switches: ``DSV4_KERNELS_DISABLE=1`` turns the whole plugin off (the A/B
 switch ``dsv4 compare`` uses); ``DSV4_PREFILL_DISABLE=1`` / ``DSV4_DECODE_DISABLE=1``
 keep vLLM's own prefill / decode; ``DSV4_PREFILL_MAX_HEADS=N`` overrides the
 measured head limit of the prefill; ``DSV4_TABLES_DIR=DIR`` adds tables a user
-measured; ``DSV4_KERNELS_FORCE=1`` decides as on the H200 on other platforms (tests on vLLM's CPU build; our functions run their
-torch references on CPU tensors).  Everything is reversible with
-:func:`unregister`.  Design: ``docs/design.md``.
+measured; ``DSV4_KERNELS_FORCE=1`` decides as on the H200 on other platforms
+(tests on vLLM's CPU build; our functions run their torch references on CPU
+tensors).  Everything is reversible with :func:`unregister`.  Design:
+``docs/design.md``.
 """
 
 from __future__ import annotations
