@@ -23,11 +23,11 @@ across layers and steps, so there is no module state anywhere else:
 * **Steps.**  A step's prefill plan (index rows shared by the layers of a kind)
   is keyed on vLLM's forward context, not on a metadata object (DSV4's two
   window KV-cache groups each get their own); its rows are keyed by each layer's
-  own table, window and window floor, read from the layer's own metadata.  Any exception from our path in
-  a step that is not being captured into a CUDA graph sends the call to vLLM's
-  own method, logs one warning, and leaves that kind on vLLM's path from then
-  on; under capture it propagates, so it fails vLLM's start-up instead of a
-  request.
+  own table, window and window floor, read from the layer's own metadata.  Any
+  exception from our path in a step that is not being captured into a CUDA graph
+  sends the call to vLLM's own method, logs one warning, and leaves that kind on
+  vLLM's path from then on; under capture it propagates, so it fails vLLM's
+  start-up instead of a request.
 
 Design: ``docs/design.md`` (the runtime object and its decisions).
 
