@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     from .cases_prefill_layer import build_cases as prefill_layer_cases
 
     builders[PREFILL_LAYER] = lambda: prefill_layer_cases(device, smoke)
+    from .cases_indexer import KERNEL as INDEXER
+    from .cases_indexer import build_cases as indexer_cases
+
+    builders[INDEXER] = lambda: indexer_cases(device, smoke)
     from . import cases_decode
 
     # the decode matrix runs case by case (its CUDA graphs are freed as it goes)

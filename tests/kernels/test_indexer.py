@@ -112,3 +112,19 @@ def test_bad_input_is_named() -> None:
         dk.indexer_decode_topk(*args, max_entries=64, scores=torch.zeros(1, 8))
     with pytest.raises(ValueError, match="lens must have dtype"):
         dk.indexer_decode_topk(*args[:3], s.lens.long(), *args[4:], max_entries=64)
+
+
+def test_the_benchmark_case_checks_what_it_times() -> None:
+    """``benchmarks.cases_indexer``'s smoke case: ours runs and passes its check, and the
+    check fails on the poisoned output alone (a provider that wrote nothing)."""
+    from benchmarks.cases_indexer import build_cases
+
+    (case,) = build_cases(torch.device("cpu"), smoke=True)
+    (prov,) = case.providers
+    prov.poison()
+    prov.run()
+    prov.check()
+    prov.poison()
+    with pytest.raises(AssertionError, match="not the reference"):
+        prov.check()
+    assert case.floor_bytes >= case.params["entries"] * 132 * case.params["requests"]

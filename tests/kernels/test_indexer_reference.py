@@ -131,3 +131,21 @@ def test_topk_is_the_highest_scores_lowest_position_first(topk: int, ties: int) 
         order = sorted(range(len(row)), key=lambda j: (-row[j], j))[:topk]
         want = order + [-1] * (topk - len(order))
         assert out[t, :topk].tolist() == want, (seed, t)
+
+
+def test_fill_index_cache_is_random_finite_and_in_the_layout() -> None:
+    """The benchmarks' fast filler: every code finite (no E4M3 NaN pattern), every scale
+    a power of two in [2^-8, 1], at a block-outer page stride, the padding untouched."""
+    from dsv4_kernels.testing.indexer import fill_index_cache
+
+    g = generator(fresh_seed())
+    entries, pages, stride = 16, 6, 16 * ENTRY + 64
+    cache = make_index_cache(pages, entries, page_stride=stride)
+    fill_index_cache(cache, g)
+    codes, scales = ref.dequantize_index_k(cache, torch.arange(pages * entries))
+    assert bool(torch.isfinite(codes).all()) and codes.abs().max() > 0
+    e = torch.log2(scales)
+    assert bool((e == e.round()).all()) and e.min() >= -8 and e.max() <= 0
+    raw = torch.as_strided(cache, (pages * stride - 64,), (1,))
+    for p in range(pages - 1):
+        assert not bool(raw[p * stride + entries * ENTRY : (p + 1) * stride].any())

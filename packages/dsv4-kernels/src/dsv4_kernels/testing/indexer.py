@@ -19,7 +19,7 @@ import torch
 from ..geometry import INDEX_DIM, INDEX_ENTRY_BYTES
 from ..reference.indexer import insert_index_k
 
-__all__ = ["IndexerStep", "make_index_cache", "make_indexer_step"]
+__all__ = ["IndexerStep", "fill_index_cache", "make_index_cache", "make_indexer_step"]
 
 
 @dataclass
@@ -43,6 +43,21 @@ def make_index_cache(
         raise ValueError(f"page_stride must be >= {entries * INDEX_ENTRY_BYTES}, got {stride}")
     flat = torch.zeros(pages * stride, dtype=torch.uint8, device=device)
     return flat.as_strided((pages, entries, INDEX_ENTRY_BYTES), (stride, INDEX_ENTRY_BYTES, 1))
+
+
+def fill_index_cache(cache: torch.Tensor, g: torch.Generator) -> None:
+    """Every entry of ``cache`` random and finite, fast at any size (benchmarks' multi-GB
+    caches): E4M3 codes with every bit pattern but the two NaNs, scales powers of two
+    from 2^-8 to 1 (``g`` on the cache's device)."""
+    entries, pages = cache.shape[1], cache.shape[0]
+    stride = cache.stride(0) if pages > 1 else entries * INDEX_ENTRY_BYTES
+    flat = torch.as_strided(cache, (pages, entries * INDEX_ENTRY_BYTES), (stride, 1))
+    code_bytes = flat[:, : entries * INDEX_DIM]
+    code_bytes.random_(0, 255, generator=g)  # 0..254: no 0xFF
+    code_bytes[code_bytes == 0x7F] = 0x7E  # no 0x7F (E4M3's other NaN)
+    exps = torch.randint(-8, 1, (pages, entries), generator=g, device=cache.device)
+    scales = torch.ldexp(torch.ones_like(exps, dtype=torch.float32), exps)
+    flat[:, entries * INDEX_DIM :] = scales.view(torch.uint8).view(pages, entries * 4)
 
 
 def make_indexer_step(
