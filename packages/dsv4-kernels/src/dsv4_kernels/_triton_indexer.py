@@ -125,7 +125,7 @@ def _row_topk_kernel(
     prefix = tl.full([], 0, tl.int64)
     remaining = topk
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p
         hist = tl.zeros([256], dtype=tl.int32)
         for start in range(0, n, BLOCK):
             j = start + offs
@@ -147,7 +147,7 @@ def _row_topk_kernel(
         remaining -= above
         prefix = (prefix << 8) | pick.to(tl.int64)
     # prefix: the topk-th largest key; ``remaining`` ties of it still to take
-    written = 0
+    written = tl.full([], 0, tl.int32)
     for start in range(0, n, BLOCK):
         j = start + offs
         valid = j < n
@@ -156,7 +156,7 @@ def _row_topk_kernel(
         at = written + tl.cumsum(take.to(tl.int32), axis=0) - 1
         tl.store(out + at, j.to(tl.int32), mask=take)
         written += tl.sum(take.to(tl.int32), axis=0)
-    ties = 0
+    ties = tl.full([], 0, tl.int32)
     for start in range(0, n, BLOCK):
         j = start + offs
         valid = j < n
