@@ -197,6 +197,15 @@ def test_two_engines_in_one_process_each_have_their_own_runtime(
         lines = [r.getMessage() for r in caplog.records if "reserved" in r.getMessage()]
         assert len(lines) == 2, lines  # one memory line per engine
         assert f"budget {first} tokens" in lines[0] and f"budget {second} tokens" in lines[1]
+        # engine 2 shut down too (its workspace manager and model gone): the plugin
+        # holds nothing of it, its scratch is freed
+        from vllm.v1.worker import workspace as ws
+
+        freed = [weakref.ref(rt2.decode_scratch.partial_out)]
+        ws.reset_workspace_manager()
+        del two, rt2
+        gc.collect()
+        assert plugin.runtime() is None and all(ref() is None for ref in freed)
     assert not [r for r in caplog.records if r.levelname == "WARNING" and "dsv4" in r.name]
 
 

@@ -95,8 +95,8 @@ _STATE: dict[str, Any] = {
     "triggers": {},  # family -> _Patch of its selector
     "decided": False,
     "facts": None,
-    "runtime": None,
-    "cls": None,
+    "runtime": None,  # the last engine's runtime, held while that engine lives
+    "cls": None,  # the last engine's attention class, likewise
     "family": None,
     "ops_guard": None,  # how the replaced ops fall back (adapters.OpsGuard)
     "engine": None,  # weakref to the engine the runtime is for (_engine_of)
@@ -332,16 +332,17 @@ def _access() -> Any:
         return context.get_forward_context() if context.is_forward_context_available() else None
 
     # this engine's manager (vLLM makes one per worker; a second engine in the process
-    # makes its own and replaces the module's current one)
+    # makes its own and replaces the module's current one), held weakly: it identifies
+    # the engine, whose end lets the plugin drop the runtime (_hold_engine)
     engine_manager = (
-        workspace.current_workspace_manager()
+        weakref.ref(workspace.current_workspace_manager())
         if workspace.is_workspace_manager_initialized()
         else None
     )
 
     def manager() -> Any:
         if engine_manager is not None:
-            return engine_manager
+            return engine_manager()
         return (
             workspace.current_workspace_manager()
             if workspace.is_workspace_manager_initialized()
@@ -426,9 +427,17 @@ def _same_engine(vllm_config: Any) -> bool:
 
 
 def _hold_engine(vllm_config: Any) -> None:
+    """Remember the engine deciding now (weakly); when it is collected, the plugin lets
+    go of its runtime and class, so nothing of ours keeps that engine's scratch alive
+    (its layers hold their class, and the class its runtime, while the model lives)."""
     engine = _engine_of(vllm_config)
+
+    def gone(ref: Any) -> None:
+        if _STATE["engine"] is ref:
+            _STATE.update(runtime=None, cls=None)
+
     try:
-        _STATE["engine"] = weakref.ref(engine)
+        _STATE["engine"] = weakref.ref(engine, gone)
     except TypeError:  # not weakly referable: held (a config, never GPU memory)
         _STATE["engine"] = lambda: engine
 
