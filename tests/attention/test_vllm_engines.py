@@ -53,6 +53,18 @@ RATIOS, SOURCES = (0, 1), (1,)  # a window-only layer, a ratio-1 kv + index sour
 HEADS = 8
 
 
+@pytest.fixture(autouse=True)
+def no_workspace_left_behind() -> Iterator[None]:
+    """Each test's engines make vLLM workspace managers (and lock them): none is left as
+    the process's current one for the tests after these (they would see it locked)."""
+    from vllm.v1.worker import workspace as ws
+
+    try:
+        yield
+    finally:
+        ws.reset_workspace_manager()
+
+
 @contextlib.contextmanager
 def plugin_registered(config: Any) -> Iterator[None]:
     """The plugin registered once for the process (``DSV4_KERNELS_FORCE=1``: this CPU
