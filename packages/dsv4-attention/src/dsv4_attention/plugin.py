@@ -273,15 +273,16 @@ def _ops_patches() -> tuple[list[_Patch], list[str]]:
     from .adapters import OpsGuard, replacements
     from .runtime import _capturing
 
-    guard = OpsGuard(warning=_logger().warning, capturing=_capturing)
-    _STATE["ops_guard"] = guard
-    ours = replacements({name: getattr(ops, name, None) for name in names}, guard)
-    patches: list[_Patch] = []
-    for name in names:
-        original = getattr(ops, name, None)
+    originals = {name: getattr(ops, name, None) for name in names}
+    for name, original in originals.items():
         if not callable(original):
             raise _Refused(f"{targets.OPS_MODULE} has no function {name}")
         _check_signature(original, name)
+    guard = OpsGuard(warning=_logger().warning, capturing=_capturing)
+    _STATE["ops_guard"] = guard  # what the replaced ops fell back on (its ``failed``)
+    ours = replacements(originals, guard)
+    patches: list[_Patch] = []
+    for name, original in originals.items():
         patches.append(_Patch(ops, name, original, ours[name]))
         for consumer_name in _facts().consumers[name]:
             consumer = importlib.import_module(consumer_name)
