@@ -438,7 +438,9 @@ def _hold_engine(vllm_config: Any) -> None:
             _STATE.update(runtime=None, cls=None)
 
     try:
-        _STATE["engine"] = weakref.ref(engine, gone)
+        # only a workspace manager's end is an engine's end (a config object may be a
+        # temporary one: the engine is then known by it, and nothing is dropped)
+        _STATE["engine"] = weakref.ref(engine, None if engine is vllm_config else gone)
     except TypeError:  # not weakly referable: held (a config, never GPU memory)
         _STATE["engine"] = lambda: engine
 
