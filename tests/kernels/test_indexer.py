@@ -128,3 +128,37 @@ def test_the_benchmark_case_checks_what_it_times() -> None:
     with pytest.raises(AssertionError, match="not the reference"):
         prov.check()
     assert case.floor_bytes >= case.params["entries"] * 132 * case.params["requests"]
+
+
+@pytest.mark.parametrize("rows_per_request", [1, 2, 3])
+def test_rows_by_request_without_row_req_and_cleared_padding_rows(rows_per_request: int) -> None:
+    """vLLM's uniform decode batches (``row_req`` None: row ``t`` is request
+    ``t // rows_per_request``, one block-table row per request) and its padded tokens:
+    rows ``T .. clear_rows - 1`` become -1, every other column and row untouched."""
+    seed = fresh_seed()
+    g = generator(seed)
+    per = rows_per_request
+    seq = [150, 40, 0, 97]
+    row_lens = [[max(s - per + 1 + j, 0) for j in range(per)] for s in seq]
+    step = make_indexer_step(seq, g, heads=16, topk=32, rows_per_request=per,
+                             row_lens=row_lens, entries_per_page=64)  # fmt: skip
+    T = step.q.shape[0]
+    assert torch.equal(step.row_req, torch.arange(T, dtype=torch.int32) // per)
+    out = torch.full((T + 4, 35), -7, dtype=torch.int32)
+    dk.indexer_decode_topk(step.q, step.weights, step.cache, step.lens, None, step.block_table,
+                           32, out, max_entries=160, rows_per_request=per,
+                           clear_rows=T + 3)  # fmt: skip
+    want = ref.indexer_decode_topk(
+        step.q, step.weights, step.cache, step.lens, step.row_req, step.block_table, 32
+    )
+    _same_sets(out[:T, :32], want, step.lens, f"seed {seed}")
+    assert bool((out[T : T + 3, :32] == -1).all()), "padding rows cleared"
+    assert bool((out[T + 3 :] == -7).all()) and bool((out[:, 32:] == -7).all()), "wrote outside"
+    with pytest.raises(ValueError, match="rows_per_request"):
+        dk.indexer_decode_topk(step.q, step.weights, step.cache, step.lens, None,
+                               step.block_table, 32, out, max_entries=160,
+                               rows_per_request=0)  # fmt: skip
+    with pytest.raises(ValueError, match="out must be"):
+        dk.indexer_decode_topk(step.q, step.weights, step.cache, step.lens, None,
+                               step.block_table, 32, out, max_entries=160,
+                               clear_rows=T + 5)  # fmt: skip

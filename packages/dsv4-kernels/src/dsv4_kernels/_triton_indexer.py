@@ -12,7 +12,8 @@ tuned on a GPU):
   order-preserving 32-bit keys (four 8-bit passes of histograms) finds the k-th largest
   key, then two passes write the positions above it and as many ties as fit, lowest
   position first, and -1 after a row's valid entries.  Rows with at most ``topk``
-  entries skip the select.
+  entries skip the select; programs past the step's rows (``num_rows``: vLLM's padded
+  tokens) write a row of -1.
 
 Offsets are 64-bit; lengths, strides and counts are run-time values.
 """
@@ -31,6 +32,7 @@ SCORE_RUNTIME_ARGS = [
     "q_stride_h",
     "w_stride_t",
     "scores_stride",
+    "rows_per_request",
 ]
 
 
@@ -55,6 +57,8 @@ def _index_scores_kernel(
     ENTRIES: tl.constexpr,  # entries per page
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,  # dot in float32 (Triton's interpreter; no FP8 dot there)
+    ROW_REQ: tl.constexpr,  # the request of each row from row_req, else t // rows_per_request
+    rows_per_request,
 ):
     t = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
@@ -62,7 +66,10 @@ def _index_scores_kernel(
     j0 = nb * BLOCK_N
     if j0 >= n:
         return
-    req = tl.load(row_req_ptr + t).to(tl.int64)
+    if ROW_REQ:
+        req = tl.load(row_req_ptr + t).to(tl.int64)
+    else:
+        req = t // rows_per_request
     j = j0 + tl.arange(0, BLOCK_N)
     ok = j < n
     page = tl.load(table_ptr + req * table_stride + j // ENTRIES, mask=ok, other=0).to(tl.int64)
@@ -96,7 +103,7 @@ def _order_key(s):
     return tl.where(neg, 0xFFFFFFFF - bits, bits | 0x80000000)
 
 
-TOPK_RUNTIME_ARGS = ["lens_ptr", "scores_stride", "out_stride", "topk"]
+TOPK_RUNTIME_ARGS = ["lens_ptr", "scores_stride", "out_stride", "topk", "num_rows"]
 
 
 @triton.jit(do_not_specialize=TOPK_RUNTIME_ARGS)
@@ -107,11 +114,12 @@ def _row_topk_kernel(
     scores_stride,
     out_stride,
     topk,
+    num_rows,  # rows with scores; programs past them write a row of -1
     BLOCK: tl.constexpr,
     OUT_BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    n = tl.load(lens_ptr + t)
+    n = tl.load(lens_ptr + t, mask=t < num_rows, other=0)
     row = scores_ptr + t * scores_stride
     out = out_ptr + t * out_stride
     offs = tl.arange(0, BLOCK)

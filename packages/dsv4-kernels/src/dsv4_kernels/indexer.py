@@ -41,13 +41,15 @@ def indexer_decode_topk(
     weights: torch.Tensor,
     cache: torch.Tensor,
     lens: torch.Tensor,
-    row_req: torch.Tensor,
+    row_req: torch.Tensor | None,
     block_table: torch.Tensor,
     topk: int,
     out: torch.Tensor,
     *,
     max_entries: int,
     scores: torch.Tensor | None = None,
+    rows_per_request: int = 1,
+    clear_rows: int = 0,
 ) -> torch.Tensor:
     """The top-k entries of every row (module docstring), into ``out[:T, :topk]``.
 
@@ -58,7 +60,9 @@ def indexer_decode_topk(
         cache: the index cache, ``[num_pages, entries, 132]`` uint8 (vLLM's view; any
             page stride).
         lens: ``[>= T]`` int32 valid entries of each row (at most ``max_entries``).
-        row_req: ``[>= T]`` int32 the request (block-table row) of each row.
+        row_req: ``[>= T]`` int32 the request (block-table row) of each row; None: row
+            ``t`` belongs to request ``t // rows_per_request`` (vLLM's uniform decode
+            batches: one block-table row per request, or per row where vLLM flattened).
         block_table: ``[B, pages]`` int32 index-cache pages of each request.
         topk: entries per row (512 V4-Flash, 1024 V4-Pro).
         out: ``[>= T, >= topk]`` int32 (vLLM's top-k buffer); its first ``topk``
@@ -66,6 +70,11 @@ def indexer_decode_topk(
         max_entries: a host bound on ``lens`` (vLLM's ``max_model_len // ratio``): the
             width of the scores scratch.
         scores: ``[>= T, >= max_entries]`` float32 scratch; allocated when None.
+        rows_per_request: rows of each request when ``row_req`` is None (1 to 4: MTP
+            and DSpark steps).
+        clear_rows: rows of ``out`` to cover (at least ``T``): rows ``T ..
+            clear_rows - 1`` are set to -1, as vLLM clears its buffer up to the step's
+            padded token count before its top-k kernel runs (0: only the ``T`` rows).
 
     Returns:
         ``out[:T, :topk]``.
@@ -95,18 +104,23 @@ def indexer_decode_topk(
     if page_stride < entries * INDEX_ENTRY_BYTES:
         raise ValueError(f"cache's page stride {page_stride} is smaller than a page")
     for name, t in (("lens", lens), ("row_req", row_req)):
+        if t is None:
+            continue
         check_tensor(name, t, dtype=INDEX_DTYPES, ndim=1, device=device)
         check_min_length(name, t, T, "one per query row")
+    check_positive_int("rows_per_request", rows_per_request)
+    check_nonnegative_int("clear_rows", clear_rows)
+    rows = max(T, clear_rows)
     check_tensor("block_table", block_table, dtype=INDEX_DTYPES, ndim=2, device=device)
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
         raise ValueError("block_table must be contiguous in its last dimension")
     check_positive_int("topk", topk)
     check_nonnegative_int("max_entries", max_entries)
     check_tensor("out", out, dtype=torch.int32, ndim=2, device=device)
-    if out.shape[0] < T or out.shape[1] < topk or (out.shape[1] > 1 and out.stride(1) != 1):
+    if out.shape[0] < rows or out.shape[1] < topk or (out.shape[1] > 1 and out.stride(1) != 1):
         raise ValueError(
-            f"out must be [>= {T}, >= {topk}] int32, contiguous in its last dimension, got "
-            f"{tuple(out.shape)}"
+            f"out must be [>= {rows}, >= {topk}] int32 (rows: max(T, clear_rows)), contiguous "
+            f"in its last dimension, got {tuple(out.shape)}"
         )
     width = max(max_entries, 1)
     if scores is None:
@@ -116,23 +130,27 @@ def indexer_decode_topk(
         raise ValueError(
             f"scores must be [>= {T}, >= {max_entries}] float32, got {tuple(scores.shape)}"
         )
-    if T == 0:
+    if rows == 0:
         return out[:0, :topk]
     if not use_triton(device):
         from .reference.indexer import indexer_decode_topk as reference
 
-        return reference(q, weights, cache, lens[:T], row_req[:T], block_table, topk, out=out[:T])
+        out[T:rows, :topk] = -1
+        if row_req is None:
+            row_req = torch.arange(T, device=device, dtype=torch.int32) // rows_per_request
+        reference(q, weights, cache, lens[:T], row_req[:T], block_table, topk, out=out[:T])
+        return out[:T, :topk]
     from . import _triton_indexer as _k
 
     hp = max(16, triton.next_power_of_2(H))
-    if max_entries:
+    if max_entries and T:
         _k._index_scores_kernel[(T, triton.cdiv(max_entries, BLOCK_N))](
             q.view(torch.uint8),
             weights,
             cache,
             block_table,
             lens,
-            row_req,
+            lens if row_req is None else row_req,
             scores,
             block_table.stride(0),
             page_stride,
@@ -146,14 +164,17 @@ def indexer_decode_topk(
             ENTRIES=entries,
             BLOCK_N=BLOCK_N,
             UPCAST=interpreter_enabled(),
+            ROW_REQ=row_req is not None,
+            rows_per_request=rows_per_request,
         )
-    _k._row_topk_kernel[(T,)](
+    _k._row_topk_kernel[(rows,)](
         scores,
         lens,
         out,
         scores.stride(0),
         out.stride(0),
         topk,
+        T,
         BLOCK=TOPK_BLOCK,
         OUT_BLOCK=OUT_BLOCK,
     )
