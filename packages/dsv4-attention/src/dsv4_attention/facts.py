@@ -27,7 +27,13 @@ from dsv4_kernels.geometry import (
 
 from .vllm_targets import V41_ARCHITECTURES
 
-__all__ = ["C128A_WIDTH_ALIGNMENT", "LayerFacts", "ServingConfig", "read_serving_config"]
+__all__ = [
+    "C128A_WIDTH_ALIGNMENT",
+    "IndexerFacts",
+    "LayerFacts",
+    "ServingConfig",
+    "read_serving_config",
+]
 
 # vLLM rounds its C128A row width up to a multiple of this (``_C128A_TOPK_ALIGNMENT``)
 C128A_WIDTH_ALIGNMENT = 128
@@ -92,6 +98,7 @@ class ServingConfig:
         kv_cache_memory_bytes: ``--kv-cache-memory-bytes`` where given (vLLM then sizes
             the KV cache without its memory profile, so our scratch is not counted).
         dcp: vLLM's decode context parallel size (1: off).
+        max_num_seqs: the most requests in one step (None: not known).
     """
 
     architectures: tuple[str, ...] = ()
@@ -108,6 +115,16 @@ class ServingConfig:
     native_prefill: bool = False
     kv_cache_memory_bytes: int | None = None
     dcp: int = 1
+    max_num_seqs: int | None = None
+
+    @property
+    def max_decode_rows(self) -> int:
+        """The most query rows one decode step can hold: every request at its widest
+        decode (MTP/DSpark rows included), within the token budget (0: not known)."""
+        budget = self.max_num_batched_tokens or 0
+        if self.max_num_seqs is None:
+            return budget
+        return min(budget, self.max_num_seqs * self.max_decode_query_len)
 
     @property
     def model_text(self) -> str:
@@ -149,6 +166,7 @@ def read_serving_config(vllm_config: Any) -> ServingConfig:
     architectures = tuple(_get(model, "architectures", default=()) or ())
     kv_bytes = _get(vllm_config, "cache_config", "kv_cache_memory_bytes")
     dcp = _get(vllm_config, "parallel_config", "decode_context_parallel_size", default=1)
+    seqs = _get(vllm_config, "scheduler_config", "max_num_seqs")
     return ServingConfig(
         architectures=architectures,
         max_num_batched_tokens=None if tokens is None else int(tokens),
@@ -163,6 +181,7 @@ def read_serving_config(vllm_config: Any) -> ServingConfig:
         family=family_of(architectures),
         kv_cache_memory_bytes=None if kv_bytes is None else int(kv_bytes),
         dcp=int(dcp or 1),
+        max_num_seqs=None if seqs is None else int(seqs),
     )
 
 
@@ -297,4 +316,73 @@ class LayerFacts:
             padded_heads=padded,
             vllm_prefill_heads=int(getattr(layer, "_prefill_num_heads", None) or padded),
             native_prefill=serving.native_prefill,
+        )
+
+
+@dataclass(frozen=True)
+class IndexerFacts:
+    """One lightning indexer (vLLM's ``DeepseekV4Indexer`` of a C4A layer), read once.
+
+    Attributes:
+        name: vLLM's prefix of its key cache (the key of its metadata).
+        compress_ratio: the ratio of its compressed keys (4 on V4's C4A layers).
+        heads: index heads (``index_n_heads``: 64 on V4, 32 on V4.1-Flash).
+        head_dim: index head width (128).
+        topk: entries selected per row (``index_topk``).
+        max_entries: vLLM's widest row of scores (``max_model_len // ratio``).
+        page_entries: compressed entries per index-cache page (block size / ratio).
+        buffer_width: the width of vLLM's top-k buffer the indexer writes.
+        fp4: whether vLLM keeps an MXFP4 index cache (``indexer_kv_dtype=mxfp4``).
+        candidates: whether the indexer runs V4.1's two-level candidate selection.
+        dcp: vLLM's decode context parallel size.
+        max_rows: the most query rows of a decode step (the scores scratch's rows).
+        family: ``"v4"`` or ``"v41"``.
+    """
+
+    name: str
+    compress_ratio: int
+    heads: int
+    head_dim: int
+    topk: int
+    max_entries: int
+    page_entries: int
+    buffer_width: int
+    fp4: bool = False
+    candidates: bool = False
+    dcp: int = 1
+    max_rows: int = 0
+    family: str = "v4"
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """What makes two indexers one kind: (ratio, heads, top-k)."""
+        return (self.compress_ratio, self.heads, self.topk)
+
+    @property
+    def scores_bytes(self) -> int:
+        """The float32 scores scratch a step of ``max_rows`` rows needs."""
+        return 4 * self.max_rows * max(self.max_entries, 1)
+
+    @classmethod
+    def read(cls, indexer: Any, serving: ServingConfig) -> IndexerFacts:
+        """The facts of vLLM's indexer module ``indexer`` (its ``indexer_op`` the
+        ``SparseAttnIndexer`` it calls) under ``serving``."""
+        op = indexer.indexer_op
+        ratio = int(getattr(indexer, "compress_ratio", getattr(op, "compress_ratio", 1)))
+        block = int(getattr(getattr(op.k_cache, "cache_config", None), "block_size", 0) or 0)
+        buffer = op.topk_indices_buffer
+        return cls(
+            name=str(op.k_cache.prefix),
+            compress_ratio=ratio,
+            heads=int(indexer.n_head),
+            head_dim=int(op.head_dim),
+            topk=int(op.topk_tokens),
+            max_entries=int(op.max_model_len),
+            page_entries=block // max(ratio, 1),
+            buffer_width=0 if buffer is None else int(buffer.shape[-1]),
+            fp4=bool(getattr(op, "use_fp4_cache", False)),
+            candidates=getattr(op, "candidate_blocks", None) is not None,
+            dcp=serving.dcp,
+            max_rows=serving.max_decode_rows,
+            family=serving.family,
         )

@@ -305,7 +305,7 @@ def _vllm_classes(family: str) -> tuple[ModuleType, Any, type]:
             "missing"
         )
     _check_signature(select, "_select_dsv4_attn_cls")
-    for name in ("_forward_prefill", "forward_mqa", "_forward_decode"):
+    for name in ("_forward_prefill", "forward_mqa", "_forward_decode", "_sparse_indexer_and_attn"):
         _check_signature(getattr(base, name, None), name)
     return model, select, base
 

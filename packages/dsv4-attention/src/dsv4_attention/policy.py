@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from dsv4_kernels.geometry import RowKind
 
-from .facts import LayerFacts, ServingConfig
+from .facts import IndexerFacts, LayerFacts, ServingConfig
 from .scratch import ScratchSpec
-from .tables import DecodeTable, MeasuredTable, PrefillLimits
+from .tables import DecodeTable, IndexerTable, MeasuredTable, PrefillLimits
 
 __all__ = [
     "Choice",
@@ -27,6 +27,8 @@ __all__ = [
     "decode_choice",
     "decode_faster",
     "decode_limits",
+    "indexer_choice",
+    "indexer_faster",
     "native_prefill_choice",
     "prefill_choice",
     "prefill_heads_limit",
@@ -38,6 +40,7 @@ ENV_DISABLE = "DSV4_KERNELS_DISABLE"
 ENV_FORCE = "DSV4_KERNELS_FORCE"
 ENV_PREFILL_DISABLE = "DSV4_PREFILL_DISABLE"
 ENV_DECODE_DISABLE = "DSV4_DECODE_DISABLE"
+ENV_INDEXER_DISABLE = "DSV4_INDEXER_DISABLE"
 ENV_MAX_HEADS = "DSV4_PREFILL_MAX_HEADS"
 ENV_TABLES_DIR = "DSV4_TABLES_DIR"
 
@@ -61,6 +64,7 @@ class Switches:
     force: bool = False
     prefill_disable: bool = False
     decode_disable: bool = False
+    indexer_disable: bool = False
     max_heads: int | None = None  # DSV4_PREFILL_MAX_HEADS
     tables_dir: str | None = None  # DSV4_TABLES_DIR: tables a user measured
 
@@ -83,6 +87,7 @@ class Switches:
             force=_flag(env, ENV_FORCE),
             prefill_disable=_flag(env, ENV_PREFILL_DISABLE),
             decode_disable=_flag(env, ENV_DECODE_DISABLE),
+            indexer_disable=_flag(env, ENV_INDEXER_DISABLE),
             max_heads=heads,
             tables_dir=env.get(ENV_TABLES_DIR, "").strip() or None,
         )
@@ -256,19 +261,71 @@ def prefill_step_takes_ours(
     return mean_keys is not None and mean_keys <= limits.c4a_short_rows_mean_keys
 
 
+def _bracketed_faster(row: Mapping[int, float] | None, n: int, min_ratio: float) -> bool:
+    """Whether the measured sizes bracketing ``n`` (the nearest at or below and at or
+    above) were both faster, or, past the largest measured size, the largest was."""
+    if row is None or n <= 0:
+        return False
+    steps = sorted(row)
+    below = [t for t in steps if t <= n]
+    above = [t for t in steps if t >= n]
+    sides = [below[-1]] if below else []
+    sides += [above[0]] if above else []
+    return bool(sides) and all(row[t] > min_ratio for t in sides)
+
+
 def decode_faster(table: DecodeTable, layer: str | int, heads: int, num_tokens: int) -> bool:
     """Whether a decode step of ``num_tokens`` tokens was measured faster with ours: the
     measured steps bracketing it (the nearest at or below and at or above) were both
     faster, or, past the largest measured step, the largest was."""
-    row = table.row(layer, heads)
-    if row is None or num_tokens <= 0:
+    return _bracketed_faster(table.row(layer, heads), num_tokens, table.min_ratio)
+
+
+def indexer_faster(table: IndexerTable | None, heads: int, topk: int, rows: int) -> bool:
+    """Whether a decode indexer step of ``rows`` query rows was measured faster with ours
+    at every context (the same bracketing rule as :func:`decode_faster`)."""
+    if table is None:
         return False
-    steps = sorted(row)
-    below = [t for t in steps if t <= num_tokens]
-    above = [t for t in steps if t >= num_tokens]
-    sides = [below[-1]] if below else []
-    sides += [above[0]] if above else []
-    return bool(sides) and all(row[t] > table.min_ratio for t in sides)
+    return _bracketed_faster(table.row(heads, topk), rows, table.min_ratio)
+
+
+def indexer_choice(
+    facts: IndexerFacts, device: Device, table: MeasuredTable | None, switches: Switches
+) -> Choice:
+    """Whether this indexer kind's decode (scores + top-k) may take ours (decided once, at
+    start-up); which step sizes then do is :func:`indexer_faster`."""
+    if switches.indexer_disable:
+        return Choice(False, f"{ENV_INDEXER_DISABLE}=1")
+    if facts.family != "v4":
+        return Choice(False, "a DeepSeek-V4.1 indexer: vLLM's own (not measured)")
+    if facts.fp4:
+        return Choice(False, "an MXFP4 index cache: ours reads the FP8 one only")
+    if facts.candidates:
+        return Choice(
+            False,
+            "DeepSeek-V4.1's candidate-block selection (two-level top-k) is vLLM's own",
+        )
+    if facts.dcp > 1:
+        return Choice(False, f"decode context parallelism (DCP {facts.dcp}) is vLLM's own")
+    if facts.buffer_width != facts.topk:
+        return Choice(
+            False,
+            f"vLLM's top-k buffer is {facts.buffer_width} wide for a top-{facts.topk} indexer",
+        )
+    if table is None:
+        return Choice(False, f"no measured table for {device.name or 'this device'}")
+    if table.indexer is None:
+        return Choice(False, f"the decode indexer was not measured on {table.device_name}")
+    row = table.indexer.row(facts.heads, facts.topk)
+    faster = [] if row is None else [r for r, x in row.items() if x > table.indexer.min_ratio]
+    if not faster:
+        return Choice(
+            False,
+            f"{facts.heads} index heads at top-{facts.topk} were not measured faster "
+            f"({table.device_name})",
+        )
+    assert row is not None
+    return Choice(True, f"at the row counts measured faster ({len(faster)} of {len(row)})")
 
 
 def decode_choice(

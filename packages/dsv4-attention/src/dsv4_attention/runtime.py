@@ -50,6 +50,7 @@ import torch
 
 from . import policy, vllm_calls
 from .facts import FAMILY_RATIOS, LayerFacts, ServingConfig
+from .indexer_part import IndexerPart
 from .policy import Choice, Device, Switches
 from .scratch import PrefillScratch, scratch_bytes
 from .tables import MeasuredTable
@@ -179,6 +180,7 @@ class HeadExactRuntime:
         self._warned: set[str] = set()
         self._captured = False  # a decode of ours was captured into a CUDA graph
         self._settled = False  # a step with metadata ran (vLLM's profile run is over)
+        self.indexers = IndexerPart(self)  # the lightning indexer's decisions and scratch
 
     # --- facts and decisions --------------------------------------------------------
 
@@ -315,12 +317,15 @@ class HeadExactRuntime:
         return line
 
     def release(self, what: str, reason: str) -> None:
-        """Drop the ``what`` scratch (``"prefill"``/``"decode"``) and its bytes, with one
-        line: nothing of ours will use it.  The decode scratch is kept once a step of ours
-        was captured in a CUDA graph (the graph replays with it)."""
+        """Drop the ``what`` scratch (``"prefill"``/``"decode"``/``"indexer"``) and its bytes,
+        with one line: nothing of ours will use it.  The decode and indexer scratches are
+        kept once a step of ours was captured in a CUDA graph (the graph replays with it)."""
         if what == "decode" and self._captured:
             return
-        if what == "prefill" and self.prefill_scratch is not None:
+        if what == "indexer":
+            if not self.indexers.release():
+                return
+        elif what == "prefill" and self.prefill_scratch is not None:
             self.prefill_scratch = None
             self._step = _Step()  # its plan held views of the scratch
         elif what == "decode" and self.decode_scratch is not None:
@@ -337,6 +342,8 @@ class HeadExactRuntime:
         for what in ("prefill", "decode"):
             if not any(getattr(st, what).ours for st in self.kinds.values()):
                 self.release(what, f"no layer kind runs our {what}")
+        if not self.indexers.takes_any():
+            self.release("indexer", "no indexer kind runs our decode indexer")
 
     def _decode_buffers(self, kinds: list[LayerFacts], device: torch.device) -> Any:
         from dsv4_kernels import decode_scratch_sizes, make_decode_scratch
@@ -617,6 +624,18 @@ class HeadExactRuntime:
                 raise
             return self._failed(layer, "decode", exc)
 
+    def indexer(
+        self,
+        layer: Any,
+        hidden_states: torch.Tensor,
+        index_q: torch.Tensor,
+        index_q_scale: torch.Tensor | None,
+        index_weights: torch.Tensor,
+    ) -> bool:
+        """Run our decode indexer for this layer's step where it applies; False: vLLM's op
+        must run (``dsv4_attention.indexer_part``)."""
+        return self.indexers.run(layer, hidden_states, index_q, index_q_scale, index_weights)
+
     def native_heads(self, layer: Any) -> int | None:
         """The real heads vLLM's own prefill of this layer runs at (None: as vLLM calls
         it); asked after :meth:`prefill` declined, so the kind is decided."""
@@ -735,6 +754,45 @@ def make_attention_cls(base: type, runtime: HeadExactRuntime) -> type:
         if ctx is not None and getattr(ctx, "attn_metadata", None) is None:
             runtime.prepare(self, q)  # vLLM's profile / dummy run
 
+    region = getattr(base, "_sparse_indexer_and_attn", None)
+    vllms_region = getattr(region, "__wrapped__", region)  # vLLM's body, undecorated
+
+    def _sparse_indexer_and_attn(
+        self: Any,
+        hidden_states: torch.Tensor,
+        index_q: torch.Tensor | None,
+        index_q_scale: torch.Tensor | None,
+        index_weights: torch.Tensor | None,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        positions: torch.Tensor,
+        out: Any,
+    ) -> None:
+        if (
+            getattr(self, "indexer", None) is not None
+            and index_q is not None
+            and index_weights is not None
+            and runtime.indexer(self, hidden_states, index_q, index_q_scale, index_weights)
+        ):
+            self.forward_mqa(q, kv, positions, out)
+            return
+        vllms_region(self, hidden_states, index_q, index_q_scale, index_weights, q, kv, positions, out)
+
+    _sparse_indexer_and_attn.__doc__ = (
+        "vLLM's indexer op then forward_mqa; the decode indexer is ours where the GPU's table "
+        "measured it faster."
+    )
+    extra: dict[str, Any] = {}
+    if callable(vllms_region):
+        method: Any = _sparse_indexer_and_attn
+        if region is not vllms_region:  # vLLM wraps its region for breakable CUDA graphs
+            import importlib
+
+            from .vllm_targets import EAGER_BREAK_MODULE
+
+            method = importlib.import_module(EAGER_BREAK_MODULE).eager_break_during_capture(method)
+        extra["_sparse_indexer_and_attn"] = method
+
     _forward_prefill.__doc__ = (
         "Head-exact sparse-MLA prefill from the FP8 pages where measured faster, else vLLM's own."
     )
@@ -755,5 +813,6 @@ def make_attention_cls(base: type, runtime: HeadExactRuntime) -> type:
             "_forward_decode": _forward_decode,
             "forward_mqa": forward_mqa,
             "dsv4_runtime": runtime,
+            **extra,
         },
     )

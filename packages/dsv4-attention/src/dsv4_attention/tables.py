@@ -4,8 +4,9 @@ Like vLLM's tuned MoE configurations, each table is one JSON file per device
 name under ``dsv4_attention/tables/`` (``NVIDIA_H200.json``: the device name
 with spaces as underscores).  A table says, from curated benchmark runs on that
 GPU (its ``source``), whether the combine kernel replaces vLLM's, up to how
-many local heads the head-exact prefill is faster per layer kind, and the
-decode speed-up of every measured step size.
+many local heads the head-exact prefill is faster per layer kind, the
+decode speed-up of every measured step size, and (where measured) the decode
+indexer's speed-up per index heads, top-k and query rows.
 
 A table is used only on the GPU it was measured on, by exact device name: an H100,
 H800, H20 or GH200 is not an H200 (other memory bandwidth, clocks and SM counts move
@@ -29,6 +30,7 @@ __all__ = [
     "ENV_TABLES_DIR",
     "MEASURE_COMMAND",
     "DecodeTable",
+    "IndexerTable",
     "MeasuredTable",
     "PrefillLimits",
     "all_tables",
@@ -87,8 +89,25 @@ class DecodeTable:
 
 
 @dataclass(frozen=True)
+class IndexerTable:
+    """vLLM's decode indexer (its scores + top-k kernels) over ours, per index heads, top-k
+    and query rows of a step: the smallest ratio over the contexts measured (above
+    ``min_ratio``: ours was faster at every context of that row count)."""
+
+    min_ratio: float
+    ratios: Mapping[int, Mapping[int, Mapping[int, float]]]  # heads -> topk -> rows -> ratio
+    source: str = ""
+
+    def row(self, heads: int, topk: int) -> Mapping[int, float] | None:
+        """The measured row counts at exactly these index heads and top-k (None: not
+        measured; another head count or top-k is never borrowed)."""
+        return self.ratios.get(heads, {}).get(topk)
+
+
+@dataclass(frozen=True)
 class MeasuredTable:
-    """One GPU's measured table (one JSON file)."""
+    """One GPU's measured table (one JSON file); ``indexer`` None where the decode
+    indexer was not measured on it (vLLM's indexer then runs)."""
 
     device_name: str
     family: str
@@ -96,6 +115,7 @@ class MeasuredTable:
     combine: bool
     prefill: PrefillLimits
     decode: DecodeTable
+    indexer: IndexerTable | None = None
 
 
 def _frozen_ratios(raw: Mapping[str, object]) -> Mapping[str, Mapping[int, Mapping[int, float]]]:
@@ -110,6 +130,29 @@ def _frozen_ratios(raw: Mapping[str, object]) -> Mapping[str, Mapping[int, Mappi
             }
         )
     return MappingProxyType(out)
+
+
+def _indexer_table(raw: object) -> IndexerTable | None:
+    if raw is None:
+        return None
+    assert isinstance(raw, dict), "indexer must be an object"
+    ratios = raw["ratios"]
+    assert isinstance(ratios, dict), "indexer.ratios must be an object"
+    return IndexerTable(
+        min_ratio=float(raw["min_ratio"]),
+        ratios=MappingProxyType(
+            {
+                int(h): MappingProxyType(
+                    {
+                        int(k): MappingProxyType({int(r): float(x) for r, x in rows.items()})
+                        for k, rows in by_topk.items()
+                    }
+                )
+                for h, by_topk in ratios.items()
+            }
+        ),
+        source=str(raw.get("source", "")),
+    )
 
 
 def parse_table(data: Mapping[str, object], name: str = "<table>") -> MeasuredTable:
@@ -144,6 +187,7 @@ def parse_table(data: Mapping[str, object], name: str = "<table>") -> MeasuredTa
                 min_ratio=float(decode["min_ratio"]),
                 ratios=_frozen_ratios(decode["ratios"]),
             ),
+            indexer=_indexer_table(data.get("indexer")),
         )
     except (KeyError, TypeError, ValueError, AssertionError) as exc:
         raise ValueError(

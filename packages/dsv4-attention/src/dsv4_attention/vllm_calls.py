@@ -1,4 +1,4 @@
-"""vLLM's ``_forward_prefill`` / ``_forward_decode`` arguments mapped to our forwards.
+"""vLLM's ``_forward_prefill`` / ``_forward_decode`` / indexer arguments mapped to our forwards.
 
 Pure argument mapping, no decisions and no state: the runtime
 (``dsv4_attention.runtime``) decides whether to call these and owns the plan
@@ -9,20 +9,24 @@ the same for prefill and decode.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from dsv4_kernels.geometry import WINDOW_SIZE
 
-from .facts import LayerFacts
+from .facts import IndexerFacts, LayerFacts
 from .prefill_plan import PrefillPlan
 
 __all__ = [
+    "IndexerStep",
     "cache_layout_problem",
+    "indexer_step",
     "prefill_batch",
     "prefill_plan",
     "run_decode",
+    "run_indexer",
     "run_prefill",
     "window_floor",
 ]
@@ -193,4 +197,76 @@ def run_decode(
         output[:num_tokens, :heads],
         scratch,
         **comp,
+    )
+
+
+@dataclass(frozen=True)
+class IndexerStep:
+    """A decode-only step of one indexer as vLLM's indexer metadata describes it: ``rows``
+    query rows, ``rows_per_request`` of each request in order (vLLM's uniform batches;
+    1 where it flattened MTP rows, each with its own block-table row), each row's valid
+    compressed entries (``lens``, a view of vLLM's ``seq_lens``) and the block table."""
+
+    rows: int
+    rows_per_request: int
+    lens: torch.Tensor
+    block_table: torch.Tensor
+
+
+def indexer_step(indexer_op: Any, attn_metadata: Any) -> IndexerStep | None:
+    """The decode step ``indexer_op`` (vLLM's ``SparseAttnIndexer``) is called for, read from
+    its own metadata in the step's dict; None where the step is not one ours runs (a
+    prefill in it, vLLM's padded/varlen/DCP decode layouts), so vLLM's op runs.  Host
+    facts only: no device read."""
+    if not isinstance(attn_metadata, dict):
+        return None
+    meta = attn_metadata.get(indexer_op.k_cache.prefix)
+    decode = getattr(meta, "decode", None)
+    if decode is None or int(getattr(meta, "num_prefills", 1)) or not int(meta.num_decodes):
+        return None
+    if bool(getattr(decode, "requires_padding", True)):
+        return None  # vLLM packs the rows and unpacks its top-k
+    if getattr(decode, "indices", None) is not None:
+        return None  # the varlen layout (SM100)
+    if getattr(decode, "global_seq_lens", None) is not None:
+        return None  # DCP
+    rows = int(meta.num_decode_tokens)
+    requests = int(decode.decode_lens.shape[0])
+    if rows <= 0 or requests <= 0 or rows % requests:
+        return None
+    seq_lens = decode.seq_lens[:requests]
+    if seq_lens.numel() != rows or not seq_lens.is_contiguous():
+        return None
+    if decode.block_table.shape[0] < requests:
+        return None
+    return IndexerStep(rows, rows // requests, seq_lens.view(-1), decode.block_table)
+
+
+def run_indexer(
+    facts: IndexerFacts,
+    step: IndexerStep,
+    indexer_op: Any,
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    padded_rows: int,
+    scores: torch.Tensor,
+) -> None:
+    """Our decode indexer for ``step`` into vLLM's top-k buffer: its first ``step.rows``
+    rows get their top-k (request-local positions, -1 after a row's entries), rows up to
+    ``padded_rows`` (the step's padded tokens, which vLLM clears) get -1."""
+    from dsv4_kernels import indexer_decode_topk
+
+    indexer_decode_topk(
+        q[: step.rows],
+        weights,
+        indexer_op.k_cache.kv_cache,
+        step.lens,
+        None,
+        step.block_table,
+        facts.topk,
+        indexer_op.topk_indices_buffer,
+        max_entries=facts.max_entries,
+        scores=scores,
+        rows_per_request=step.rows_per_request,
+        clear_rows=padded_rows,
     )

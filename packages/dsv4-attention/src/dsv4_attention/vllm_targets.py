@@ -51,6 +51,9 @@ V41_FLASHMLA_MODULE = "vllm.models.deepseek_v41.nvidia.flashmla"
 # vLLM's registry names of DeepSeek-V4.1 and its DSpark drafter
 V41_ARCHITECTURES = ("DeepseekV41ForCausalLM", "DSparkV41DraftModel")
 # family -> (package whose import installs the trigger, selector module, class module)
+# where vLLM's decorator of its eager attention regions lives (both releases)
+EAGER_BREAK_MODULE = "vllm.compilation.breakable_cudagraph"
+
 FAMILY_MODULES: Mapping[str, tuple[str, str, str]] = MappingProxyType(
     {
         "v4": (DSV4_PACKAGE, MODEL_MODULE, FLASHMLA_MODULE),
@@ -105,6 +108,19 @@ _SIGNATURES: dict[str, tuple[str, ...]] = {
         "swa_metadata",
     ),
     "forward_mqa": ("self", "q", "kv", "positions", "output"),
+    # the eager region that calls the indexer op and forward_mqa (overridden for the
+    # indexer; vLLM's decorator, where it wraps, is applied to ours too)
+    "_sparse_indexer_and_attn": (
+        "self",
+        "hidden_states",
+        "index_q",
+        "index_q_scale",
+        "index_weights",
+        "q",
+        "kv",
+        "positions",
+        "out",
+    ),
     # the bundled FlashMLA's sparse prefill, as vLLM's FlashMLA modules import it
     "flash_mla_sparse_fwd": (
         "q",
