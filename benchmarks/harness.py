@@ -21,7 +21,7 @@ import json
 import os
 import platform
 import subprocess
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +217,7 @@ def progress_line(r: Result, unit: str = "us") -> str:
 
 
 def run_cases(
-    cases: Sequence[BenchCase],
+    cases: Iterable[BenchCase],
     device: torch.device,
     bandwidth: float,
     rep_ms: int = 100,

@@ -14,6 +14,11 @@ padded to 64 heads as vLLM calls it, under CUDA graphs) and writes
 * ``decode.ratios``: FlashMLA's time over ours per layer kind, head row and step size
   (the smaller of the one- and two-token-per-request ratios, as the shipped table's);
   the plugin takes ours only at step sizes measured faster;
+* ``indexer`` (where vLLM 0.33's DeepGEMM + top-k are staged:
+  ``python3 -m benchmarks.support.fetch_vllm_indexer``): vLLM's decode indexer time over
+  ours per index heads, top-k and row count, the smallest over the contexts
+  (:mod:`benchmarks.cases_indexer`'s grid); the plugin takes ours only at row counts
+  measured faster; without the pair the section is left out (vLLM's indexer runs);
 * ``prefill``: every limit 0 (vLLM's prefill everywhere) and ``combine.replace``
   false: this command does not measure them (the shipped H200 limits came from curated
   prefill runs, ``docs/results/h200-run17``); edit the file after measuring them with
@@ -130,6 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"measure_table: {exc}; build FlashMLA first (docs/contributing.md)", file=sys.stderr)
         return 2
+    from . import cases_indexer
+
+    indexer_results = harness.run_cases(
+        cases_indexer.build_cases(device, False), device, bandwidth, rep_ms=args.rep_ms
+    )
+    harness.write_jsonl(results + indexer_results, env, args.out / "results.jsonl")
+    section = cases_indexer.indexer_section(
+        indexer_results, f"benchmarks.measure_table on {name}, {stamp}: decode indexer grid"
+    )
+    if section is None:
+        print("measure_table: vLLM's decode indexer pair did not run: no indexer section")
+    else:
+        table["indexer"] = section
     path = write_table(args.out, table)
     print(f"wrote {path}; serve with DSV4_TABLES_DIR={args.out}")
     return 0

@@ -222,9 +222,10 @@ def test_switches_are_read_from_the_environment() -> None:
             "DSV4_PREFILL_DISABLE": "yes",
             "DSV4_DECODE_DISABLE": " ON ",
             "DSV4_PREFILL_MAX_HEADS": " 4 ",
+            "DSV4_INDEXER_DISABLE": "1",
         }
     )
-    assert got == Switches(True, True, True, True, 4)
+    assert got == Switches(True, True, True, True, 4, indexer_disable=True)
     assert Switches.read({"DSV4_DECODE_DISABLE": "0", "DSV4_PREFILL_DISABLE": "no"}) == Switches()
     for bad in ("-1", "eight", "1.5"):
         with pytest.raises(ValueError, match="DSV4_PREFILL_MAX_HEADS must be an integer >= 0"):

@@ -230,6 +230,7 @@ def _batch(rig: Rig, g: torch.Generator, seq_lens: list[int], query_lens: list[i
         block_table_tensor=table,
         slot_mapping=torch.zeros(T, dtype=torch.int64),
     )
+
     def no_slots(num_tokens: int, *args: Any, out: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         # vLLM's Triton kernel of the cache writer's slot mapping (vLLM's CPU build runs
         # no Triton): V4's indexer skips the insert, and the decode path never reads it

@@ -162,3 +162,47 @@ def test_rows_by_request_without_row_req_and_cleared_padding_rows(rows_per_reque
         dk.indexer_decode_topk(step.q, step.weights, step.cache, step.lens, None,
                                step.block_table, 32, out, max_entries=160,
                                clear_rows=T + 5)  # fmt: skip
+
+
+def test_the_table_section_takes_the_smallest_ratio_per_row_count() -> None:
+    """``cases_indexer.indexer_section``: vLLM's time over ours per heads, top-k and rows,
+    the smallest over contexts; cases where vLLM's pair did not run are left out; the
+    plugin's parser accepts what it writes."""
+    import dataclasses as dc
+
+    from benchmarks.cases_indexer import KERNEL, VLLM_PROVIDER, indexer_section
+    from benchmarks.harness import Result
+
+    from dsv4_attention import tables
+
+    def result(case: str, provider: str, us: float, reqs: int, per: int) -> Result:
+        p = {"requests": reqs, "tokens_per_request": per, "heads": 64, "topk": 512}
+        return Result(KERNEL, provider, case, reqs * per, us, us, us, 0.0, 0, p)
+
+    rs = [
+        result("a", "dsv4-kernels", 10.0, 4, 2), result("a", VLLM_PROVIDER, 30.0, 4, 2),
+        result("b", "dsv4-kernels", 10.0, 8, 1), result("b", VLLM_PROVIDER, 15.0, 8, 1),
+        result("c", "dsv4-kernels", 10.0, 1, 1),  # vLLM's pair did not run
+    ]  # fmt: skip
+    section = indexer_section(rs, "test")
+    assert section is not None
+    assert section["ratios"] == {"64": {"512": {"8": 1.5}}}
+    assert indexer_section(rs[-1:]) is None
+
+
+def test_the_fetch_stages_vllms_deep_gemm_and_topk_only() -> None:
+    from benchmarks.support.fetch_vllm_indexer import TOPK_FILE, TOPK_MEMBER, members
+
+    names = [
+        "vllm/third_party/deep_gemm/_C.py",
+        "vllm/third_party/deep_gemm/include/deep_gemm/x.cuh",
+        "vllm/third_party/deep_gemm/__pycache__/_C.cpython-311.pyc",
+        "vllm/third_party/flashmla/flash_mla_interface.py",
+        TOPK_MEMBER,
+        "vllm/_flashmla_C.abi3.so",
+    ]
+    assert members(names) == {
+        names[0]: "deep_gemm/_C.py",
+        names[1]: "deep_gemm/include/deep_gemm/x.cuh",
+        TOPK_MEMBER: TOPK_FILE,
+    }

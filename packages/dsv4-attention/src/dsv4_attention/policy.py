@@ -64,9 +64,9 @@ class Switches:
     force: bool = False
     prefill_disable: bool = False
     decode_disable: bool = False
-    indexer_disable: bool = False
     max_heads: int | None = None  # DSV4_PREFILL_MAX_HEADS
     tables_dir: str | None = None  # DSV4_TABLES_DIR: tables a user measured
+    indexer_disable: bool = False  # DSV4_INDEXER_DISABLE
 
     @classmethod
     def read(cls, env: Mapping[str, str] | None = None) -> Switches:

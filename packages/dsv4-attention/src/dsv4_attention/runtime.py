@@ -754,8 +754,8 @@ def make_attention_cls(base: type, runtime: HeadExactRuntime) -> type:
         if ctx is not None and getattr(ctx, "attn_metadata", None) is None:
             runtime.prepare(self, q)  # vLLM's profile / dummy run
 
-    region = getattr(base, "_sparse_indexer_and_attn", None)
-    vllms_region = getattr(region, "__wrapped__", region)  # vLLM's body, undecorated
+    region: Any = getattr(base, "_sparse_indexer_and_attn", None)
+    vllms_region: Any = getattr(region, "__wrapped__", region)  # vLLM's body, undecorated
 
     def _sparse_indexer_and_attn(
         self: Any,
@@ -776,7 +776,9 @@ def make_attention_cls(base: type, runtime: HeadExactRuntime) -> type:
         ):
             self.forward_mqa(q, kv, positions, out)
             return
-        vllms_region(self, hidden_states, index_q, index_q_scale, index_weights, q, kv, positions, out)
+        vllms_region(
+            self, hidden_states, index_q, index_q_scale, index_weights, q, kv, positions, out
+        )
 
     _sparse_indexer_and_attn.__doc__ = (
         "vLLM's indexer op then forward_mqa; the decode indexer is ours where the GPU's table "

@@ -220,9 +220,14 @@ def indexer_step(indexer_op: Any, attn_metadata: Any) -> IndexerStep | None:
     facts only: no device read."""
     if not isinstance(attn_metadata, dict):
         return None
-    meta = attn_metadata.get(indexer_op.k_cache.prefix)
+    meta: Any = attn_metadata.get(indexer_op.k_cache.prefix)
     decode = getattr(meta, "decode", None)
-    if decode is None or int(getattr(meta, "num_prefills", 1)) or not int(meta.num_decodes):
+    if (
+        meta is None
+        or decode is None
+        or int(getattr(meta, "num_prefills", 1))
+        or not int(meta.num_decodes)
+    ):
         return None
     if bool(getattr(decode, "requires_padding", True)):
         return None  # vLLM packs the rows and unpacks its top-k
