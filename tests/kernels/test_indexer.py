@@ -166,14 +166,10 @@ def test_rows_by_request_without_row_req_and_cleared_padding_rows(rows_per_reque
 
 def test_the_table_section_takes_the_smallest_ratio_per_row_count() -> None:
     """``cases_indexer.indexer_section``: vLLM's time over ours per heads, top-k and rows,
-    the smallest over contexts; cases where vLLM's pair did not run are left out; the
-    plugin's parser accepts what it writes."""
-    import dataclasses as dc
-
+    the smallest over contexts; cases where vLLM's pair did not run are left out (the
+    plugin's parser of that shape: ``tests/attention/test_indexer_policy.py``)."""
     from benchmarks.cases_indexer import KERNEL, VLLM_PROVIDER, indexer_section
     from benchmarks.harness import Result
-
-    from dsv4_attention import tables
 
     def result(case: str, provider: str, us: float, reqs: int, per: int) -> Result:
         p = {"requests": reqs, "tokens_per_request": per, "heads": 64, "topk": 512}
