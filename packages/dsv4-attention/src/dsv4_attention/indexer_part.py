@@ -32,6 +32,7 @@ import torch
 from . import policy, vllm_calls
 from .facts import IndexerFacts
 from .policy import Choice
+from .scratch import workspace_locked, workspace_pool
 
 __all__ = ["IndexerPart", "IndexerState"]
 
@@ -106,16 +107,14 @@ class IndexerPart:
             if facts.max_rows <= 0 or facts.max_entries <= 0:
                 return Choice(False, "the largest decode step or context is not known")
             manager = rt._manager()
-            if manager is not None and getattr(manager, "is_locked", lambda: False)():
+            if workspace_locked(manager):
                 self._refusal = (
                     "no indexer scratch could be reserved (vLLM's workspace was locked "
                     "before the indexer's first call)"
                 )
                 return Choice(False, self._refusal)
-            from .runtime import _pool
-
             try:
-                with _pool(manager):
+                with workspace_pool(manager):
                     self.scores = torch.empty(
                         (facts.max_rows, facts.max_entries), dtype=torch.float32, device=device
                     )
@@ -186,15 +185,13 @@ class IndexerPart:
         try:
             state = self.state(indexer, hidden_states.device)
             facts = state.facts
-            if not rt._settled:
-                ctx = rt.access.forward_context()
-                if isinstance(getattr(ctx, "attn_metadata", None), dict):
-                    rt._release_unused()
+            metadata = getattr(rt.access.forward_context(), "attn_metadata", None)
+            if not rt._settled and isinstance(metadata, dict):
+                rt._release_unused()  # the first step after vLLM's profile run
             if not state.choice.ours or index_q_scale is not None or rt.access.dual_batch():
                 return False
-            ctx = rt.access.forward_context()
             op = indexer.indexer_op
-            step = vllm_calls.indexer_step(op, getattr(ctx, "attn_metadata", None))
+            step = vllm_calls.indexer_step(op, metadata)
             if step is None or self.scores is None or step.rows > self.scores.shape[0]:
                 return False
             assert rt.table is not None

@@ -39,10 +39,9 @@ its decisions (``policy``), facts (``facts``) and vLLM argument mapping
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +51,7 @@ from . import policy, vllm_calls
 from .facts import FAMILY_RATIOS, LayerFacts, ServingConfig
 from .indexer_part import IndexerPart
 from .policy import Choice, Device, Switches
-from .scratch import PrefillScratch, scratch_bytes
+from .scratch import PrefillScratch, scratch_bytes, workspace_locked, workspace_pool
 from .tables import MeasuredTable
 
 __all__ = ["HeadExactRuntime", "KindState", "VllmAccess"]
@@ -68,20 +67,6 @@ def _nothing() -> Any:
 
 def _capturing() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
-@contextlib.contextmanager
-def _pool(manager: Any) -> Iterator[None]:
-    """Allocate where vLLM allocates its workspace: inside the workspace manager's
-    allocation context (under sleep mode vLLM's CuMem pool tagged ``"workspace"``, which
-    ``sleep()`` discards and ``wake_up()`` maps again at the same addresses), else as
-    torch allocates.  Our scratch holds nothing across steps, so discarding it is safe."""
-    context = getattr(manager, "_alloc_context", None)
-    if callable(context):
-        with context():
-            yield
-    else:
-        yield
 
 
 @dataclass(frozen=True)
@@ -265,7 +250,7 @@ class HeadExactRuntime:
             f for f in kinds if policy.decode_choice(f, self.device, self.table, self.switches).ours
         ]
         manager = self._manager()
-        if manager is not None and getattr(manager, "is_locked", _never)():
+        if workspace_locked(manager):
             refusal = "vLLM's workspace was locked before this layer's first call"
             self._prefill_refusal = f"no prefill scratch could be reserved ({refusal})"
             self._decode_refusal = f"no decode scratch could be reserved ({refusal})"
@@ -277,7 +262,7 @@ class HeadExactRuntime:
             group = sparse_mla.prefill_group_size(q[:1, : facts.heads])
             spec = policy.prefill_scratch_spec(prefill, group)
             try:
-                with _pool(manager):
+                with workspace_pool(manager):
                     self.prefill_scratch = PrefillScratch(spec, device=q.device)
                 self.reserved["prefill"] = scratch_bytes(spec)
             except Exception as exc:  # out of memory, ...
@@ -285,7 +270,7 @@ class HeadExactRuntime:
                 self.access.info(f"dsv4-attention: {self._prefill_refusal}")
         if decode:
             try:
-                with _pool(manager):
+                with workspace_pool(manager):
                     self.decode_scratch = self._decode_buffers(decode, q.device)
                 self.reserved["decode"] = 4 * int(self.decode_scratch.sizes.total)
             except Exception as exc:

@@ -23,13 +23,43 @@ Which buffers (all int32 but the lse):
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["PrefillScratch", "ScratchSpec", "ScratchTooSmall", "prefill_scratch_sizes"]
+__all__ = [
+    "PrefillScratch",
+    "ScratchSpec",
+    "ScratchTooSmall",
+    "prefill_scratch_sizes",
+    "workspace_locked",
+    "workspace_pool",
+]
+
+
+@contextlib.contextmanager
+def workspace_pool(manager: Any) -> Iterator[None]:
+    """Allocate where vLLM allocates its workspace: inside the workspace manager's
+    allocation context (under sleep mode vLLM's CuMem pool tagged ``"workspace"``, which
+    ``sleep()`` discards and ``wake_up()`` maps again at the same addresses), else as
+    torch allocates.  Our scratch holds nothing across steps, so discarding it is safe."""
+    context = getattr(manager, "_alloc_context", None)
+    if callable(context):
+        with context():
+            yield
+    else:
+        yield
+
+
+def workspace_locked(manager: Any) -> bool:
+    """Whether vLLM's workspace manager (None: none) is locked (its profile run is over,
+    so nothing reserved now would be counted)."""
+    locked = getattr(manager, "is_locked", None)
+    return manager is not None and callable(locked) and bool(locked())
 
 
 class ScratchTooSmall(RuntimeError):
