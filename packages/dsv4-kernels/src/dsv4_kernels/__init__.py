@@ -16,7 +16,7 @@ from .decode import (
     make_decode_scratch,
     sparse_mla_decode,
 )
-from .indexer import indexer_decode_topk
+from .indexer import indexer_decode_topk, indexer_merge_topk, indexer_shard_topk
 from .kv_cache import (
     dequantize_and_gather_k_cache,
     empty_k_cache,
@@ -46,6 +46,8 @@ __all__ = [
     "empty_k_cache",
     "geometry",
     "indexer_decode_topk",
+    "indexer_merge_topk",
+    "indexer_shard_topk",
     "k_cache_page_stride",
     "make_decode_scratch",
     "quantize_and_insert_k_cache",

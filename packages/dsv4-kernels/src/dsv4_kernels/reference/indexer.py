@@ -24,6 +24,11 @@ kernels of this package are checked against:
   own; where a tie straddles the k-th place the selected sets may differ by the tied
   entries only, which have the same score).
 
+* **Shards** (issue 40).  A key shard ``r`` of ``S`` scores only the entries
+  ``[n * r // S, n * (r + 1) // S)`` of a row of ``n`` and lists its top-k with their
+  float32 scores (:func:`shard_topk`); :func:`merge_topk` takes each row's top-k of all
+  shards' lists, equal scores lowest position first: the whole row's top-k.
+
 Everything here is vectorised torch; it runs on any device.
 """
 
@@ -39,7 +44,9 @@ __all__ = [
     "index_scores",
     "indexer_decode_topk",
     "insert_index_k",
+    "merge_topk",
     "quantize_index_k",
+    "shard_topk",
 ]
 
 
@@ -167,5 +174,72 @@ def indexer_decode_topk(
         picked = order[:, :n].to(torch.int32)
         taken = torch.arange(n, device=s.device)[None, :] < lens.to(torch.int64)[:, None]
         result[:, :n] = torch.where(taken, picked, -1)
+    out[:, :topk] = result
+    return out[:, :topk]
+
+
+def _share(lens: torch.Tensor, shard: int, shards: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's key share ``[lo, hi)`` of shard ``shard`` of ``shards``."""
+    n = lens.to(torch.int64)
+    return n * shard // shards, n * (shard + 1) // shards
+
+
+def shard_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    lens: torch.Tensor,
+    row_req: torch.Tensor,
+    block_table: torch.Tensor,
+    topk: int,
+    shard: int,
+    shards: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Key shard ``shard`` of ``shards``'s candidates (module docstring) as ``[T, 2 * topk]``
+    int32: positions (by score, highest first, equal scores lowest position first; -1
+    past the share's entries), then their float32 scores' bits (-inf beside a -1)."""
+    T = int(q.shape[0])
+    if out is None:
+        out = torch.empty((T, 2 * topk), dtype=torch.int32, device=q.device)
+    idx = torch.full((T, topk), -1, dtype=torch.int32, device=q.device)
+    val = torch.full((T, topk), float("-inf"), dtype=torch.float32, device=q.device)
+    if T:
+        s = index_scores(q, weights, cache, lens, row_req, block_table)
+        lo, hi = _share(lens, shard, shards)
+        j = torch.arange(s.shape[1], device=s.device)[None, :]
+        inside = (j >= lo[:, None]) & (j < hi[:, None])
+        s = torch.where(inside, s, float("-inf"))
+        order = torch.sort(-s, dim=1, stable=True).indices
+        n = min(topk, s.shape[1])
+        taken = torch.arange(n, device=s.device)[None, :] < (hi - lo)[:, None]
+        idx[:, :n] = torch.where(taken, order[:, :n], -1).to(torch.int32)
+        picked = torch.gather(s, 1, order[:, :n]).to(torch.float32)
+        val[:, :n] = torch.where(taken, picked, float("-inf"))
+    out[:, :topk] = idx
+    out[:, topk : 2 * topk] = val.view(torch.int32)
+    return out[:, : 2 * topk]
+
+
+def merge_topk(
+    candidates: torch.Tensor, topk: int, shards: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each row's ``topk`` highest of the shards' candidates (``[shards * T, >= 2 * topk]``
+    int32, :func:`shard_topk`'s outputs stacked shard by shard) as ``[T, topk]`` int32: by
+    score, highest first, equal scores lowest position first; -1 when fewer."""
+    T = int(candidates.shape[0]) // shards
+    if out is None:
+        out = torch.empty((T, topk), dtype=torch.int32, device=candidates.device)
+    c = candidates[:, : 2 * topk].reshape(shards, T, 2 * topk).transpose(0, 1)
+    idx = c[:, :, :topk].reshape(T, shards * topk).to(torch.int64)
+    val = c[:, :, topk:].contiguous().view(torch.float32).reshape(T, shards * topk)
+    val = torch.where(idx >= 0, val.to(torch.float64), float("-inf"))
+    by_pos = torch.sort(torch.where(idx >= 0, idx, 1 << 40), dim=1, stable=True).indices
+    val, idx = torch.gather(val, 1, by_pos), torch.gather(idx, 1, by_pos)
+    order = torch.sort(-val, dim=1, stable=True).indices[:, :topk]
+    picked = torch.gather(idx, 1, order)
+    n = order.shape[1]
+    result = torch.full((T, topk), -1, dtype=torch.int32, device=candidates.device)
+    result[:, :n] = torch.where(picked < (1 << 40), picked, -1).to(torch.int32)
     out[:, :topk] = result
     return out[:, :topk]
