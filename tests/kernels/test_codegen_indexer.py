@@ -2,7 +2,7 @@
 through the public call at V4's and V4.1's shapes, without spills (the interpreter,
 which the rest of the CPU suite runs them under, compiles nothing: a kernel it accepts
 can still fail to build for a GPU); the key shard's variants and the merge (issue 40)
-too.""""
+too."""
 
 from __future__ import annotations
 
