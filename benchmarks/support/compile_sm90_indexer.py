@@ -3,8 +3,8 @@
 ``python -m benchmarks.support.compile_sm90_indexer``: one public
 ``dsv4_kernels.indexer_decode_topk`` call per shape (V4's 64 index heads at top-512 and
 top-1,024, V4.1-Flash's 32 heads) on CPU tensors, and a key shard's
-``indexer_shard_topk`` and ``indexer_merge_topk`` (TP8's split of issue 40), with each launch replaced by an offline
-compile for an H100/H200 (:func:`benchmarks.support.compile_sm90.compile_offline`), one
+``indexer_shard_topk`` and ``indexer_merge_topk`` (TP8's split of issue 40), with each
+launch replaced by an offline compile for an H100/H200 (:func:`benchmarks.support.compile_sm90.compile_offline`), one
 JSON line per compiled kernel: registers, stack (spill) bytes, shared memory, SASS
 instructions, local-memory traffic.  Run without ``TRITON_INTERPRET`` (the CPU suite
 runs it in a child process: ``tests/kernels/test_codegen_indexer.py``); nothing runs on
@@ -35,7 +35,7 @@ def compile_shape(heads: int, topk: int) -> list[tuple[str, Any]]:
     saved = [indexer.use_triton, *(getattr(k, n) for n in names)]
     try:
         indexer.use_triton = lambda device: True  # type: ignore[assignment]
-        for name, kernel in zip(names, saved[1:]):
+        for name, kernel in zip(names, saved[1:], strict=True):
             setattr(k, name, _Offline(kernel, compiled))
         step = make_indexer_step([topk + 100, 40], generator(0), heads=heads, topk=topk)
         args = (step.q, step.weights, step.cache, step.lens, step.row_req, step.block_table, topk)
@@ -46,7 +46,7 @@ def compile_shape(heads: int, topk: int) -> list[tuple[str, Any]]:
         dk.indexer_merge_topk(torch.empty((16, 2 * topk), dtype=torch.int32), topk, out, shards=8)
     finally:
         indexer.use_triton = saved[0]  # type: ignore[assignment]
-        for name, kernel in zip(names, saved[1:]):
+        for name, kernel in zip(names, saved[1:], strict=True):
             setattr(k, name, kernel)
     return compiled
 

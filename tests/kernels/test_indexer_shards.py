@@ -47,7 +47,9 @@ def _candidates(step, topk: int, shards: int, max_entries: int) -> torch.Tensor:
             assert sorted(g_idx[:n]) == sorted(w_idx[:n]), f"shard {r} row {t}"
             assert all(int(lo[t]) <= j < int(hi[t]) for j in g_idx[:n]), "outside the share"
             g_val = got[t, topk:].contiguous().view(torch.float32)
-            w_val = dict(zip(w_idx[:n], want[t, topk:].contiguous().view(torch.float32)[:n]))
+            w_val = dict(
+                zip(w_idx[:n], want[t, topk:].contiguous().view(torch.float32)[:n], strict=True)
+            )
             for i, j in enumerate(g_idx[:n]):  # each score beside its own entry
                 assert abs(float(g_val[i]) - float(w_val[j])) <= 1e-4 * (1 + abs(float(w_val[j])))
             assert bool(torch.isneginf(g_val[n:]).all()), "-inf beside a -1"
