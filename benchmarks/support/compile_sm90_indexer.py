@@ -5,8 +5,9 @@
 top-1,024, V4.1-Flash's 32 heads) on CPU tensors, and a key shard's
 ``indexer_shard_topk`` and ``indexer_merge_topk`` (TP8's split of issue 40), with each
 launch replaced by an offline compile for an H100/H200
-(:func:`benchmarks.support.compile_sm90.compile_offline`), one JSON line per compiled kernel: registers, stack (spill) bytes, shared memory, SASS
-instructions, local-memory traffic.  Run without ``TRITON_INTERPRET`` (the CPU suite
+(:func:`benchmarks.support.compile_sm90.compile_offline`), one JSON line per compiled
+kernel: registers, stack (spill) bytes, shared memory, SASS instructions, local-memory
+traffic.  Run without ``TRITON_INTERPRET`` (the CPU suite
 runs it in a child process: ``tests/kernels/test_codegen_indexer.py``); nothing runs on
 a GPU, so this says what the compiler made, never how fast it is.
 """
