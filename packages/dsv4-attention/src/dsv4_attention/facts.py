@@ -99,6 +99,7 @@ class ServingConfig:
             the KV cache without its memory profile, so our scratch is not counted).
         dcp: vLLM's decode context parallel size (1: off).
         max_num_seqs: the most requests in one step (None: not known).
+        tp: vLLM's tensor parallel size (the ranks that replicate the indexer).
     """
 
     architectures: tuple[str, ...] = ()
@@ -116,6 +117,7 @@ class ServingConfig:
     kv_cache_memory_bytes: int | None = None
     dcp: int = 1
     max_num_seqs: int | None = None
+    tp: int = 1
 
     @property
     def max_decode_rows(self) -> int:
@@ -167,6 +169,7 @@ def read_serving_config(vllm_config: Any) -> ServingConfig:
     kv_bytes = _get(vllm_config, "cache_config", "kv_cache_memory_bytes")
     dcp = _get(vllm_config, "parallel_config", "decode_context_parallel_size", default=1)
     seqs = _get(vllm_config, "scheduler_config", "max_num_seqs")
+    tp = _get(vllm_config, "parallel_config", "tensor_parallel_size", default=1)
     return ServingConfig(
         architectures=architectures,
         max_num_batched_tokens=None if tokens is None else int(tokens),
@@ -182,6 +185,7 @@ def read_serving_config(vllm_config: Any) -> ServingConfig:
         kv_cache_memory_bytes=None if kv_bytes is None else int(kv_bytes),
         dcp=int(dcp or 1),
         max_num_seqs=None if seqs is None else int(seqs),
+        tp=int(tp or 1),
     )
 
 

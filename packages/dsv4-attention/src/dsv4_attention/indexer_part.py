@@ -19,6 +19,12 @@ the attention:
 * **Errors.**  An exception of ours outside capture runs vLLM's op for that call and
   every later one of the kind, with one warning; under capture it propagates (vLLM's
   start-up fails instead of a request).
+* **Tensor parallelism** (issue 40, :mod:`.indexer_tp`).  Under TP the kind may also
+  split a step across vLLM's TP group, by rows or by keys, where the table measured
+  that split faster at this TP size (``policy.indexer_mode`` picks, per row count, the
+  fastest of vLLM's, ours replicated and the splits).  Whether a kind may split is
+  agreed by every rank of the group at start-up; a split step runs the same on every
+  rank.
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ from typing import Any
 
 import torch
 
-from . import policy, vllm_calls
+from . import indexer_tp, policy, vllm_calls
 from .facts import IndexerFacts
+from .indexer_tp import TpShare
 from .policy import Choice
 from .scratch import workspace_locked, workspace_pool
 
@@ -44,6 +51,8 @@ class IndexerState:
     facts: IndexerFacts
     choice: Choice
     warmup_seconds: float = 0.0
+    share: TpShare | None = None  # the TP group it may split across (agreed at start-up)
+    tp_note: str = ""  # why it does not split, where TP > 1
 
 
 class IndexerPart:
@@ -52,7 +61,8 @@ class IndexerPart:
     def __init__(self, runtime: Any) -> None:
         self.runtime = runtime
         self.kinds: dict[tuple[int, int, int], IndexerState] = {}
-        self.scores: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None  # flat float32 scores scratch
+        self.local: torch.Tensor | None = None  # flat int32: a rank's part of a split step
         self.captured = False  # a step of ours was captured into a CUDA graph
         self._refusal = "no indexer scratch reserved"
 
@@ -78,31 +88,83 @@ class IndexerPart:
 
     def _decide(self, facts: IndexerFacts, device: torch.device) -> IndexerState:
         rt = self.runtime
-        choice = policy.indexer_choice(facts, rt.device, rt.table, rt.switches)
+        share, why = indexer_tp.read_tp(rt.access.tp_group(), rt.serving, device)
+        tp = share.size if share is not None else 1
+        choice = policy.indexer_choice(
+            facts, rt.device, rt.table, rt.switches, tp, rt.serving.max_model_len
+        )
+        modes = self._modes(facts, tp) if choice.ours else set()
         if choice.ours:
-            choice = self._fits(facts, device) or choice
-        state = IndexerState(facts, choice)
+            choice = self._fits(facts, device, modes, tp) or choice
+        state = IndexerState(facts, choice, tp_note=why)
         if choice.ours:
             self._warm_up(state, device)
+        if share is not None:  # every rank of the group is here (the same first call)
+            self._agree_split(state, share, modes, device)
         rt.access.info(self.describe(state))
         return state
+
+    def _modes(self, facts: IndexerFacts, tp: int) -> set[str]:
+        """The ways this kind was measured faster somewhere (``ours`` replicated, or a
+        split at this TP size)."""
+        rt = self.runtime
+        assert rt.table is not None and rt.table.indexer is not None
+        t = rt.table.indexer
+        rows = {"ours": t.row(facts.heads, facts.topk)}
+        for split in indexer_tp.SPLITS if tp > 1 else ():
+            rows[split] = t.split_row(tp, facts.heads, facts.topk, split, rt.serving.max_model_len)
+        return {m for m, row in rows.items() if row and any(x > t.min_ratio for x in row.values())}
+
+    def _agree_split(
+        self, state: IndexerState, share: TpShare, modes: set[str], device: torch.device
+    ) -> None:
+        """Whether the kind splits: this rank may (ours taken, a split measured faster,
+        its kernels compiled) and every rank of the group says so; then one exchange
+        through vLLM's TP group, so its first use is not a step."""
+        ok = state.choice.ours and bool(modes & set(indexer_tp.SPLITS))
+        if ok:
+            ok = self._warm_up_split(state, share, device)
+        if not indexer_tp.agree(share, ok):
+            state.tp_note = f"{share.text}: not split (not measured faster, or a rank could not)"
+            return
+        share.group.all_gather(torch.zeros((1, 2), dtype=torch.int32, device=device), dim=0)
+        state.share = share
+        state.tp_note = f"{share.text}: split where measured faster"
 
     def describe(self, state: IndexerState) -> str:
         """The one log line of an indexer kind's decision."""
         f = state.facts
         who = "ours" if state.choice.ours else "vLLM's"
+        tp = f"; {state.tp_note}" if state.tp_note and state.tp_note != "TP1" else ""
+        if tp and state.tp_note == "no tensor-parallel group":
+            tp = ""
         return (
             f"dsv4-attention: lightning indexer (ratio {f.compress_ratio}, {f.heads} index "
             f"heads, top-{f.topk}), {self.runtime.serving.model_text}: decode {who} "
-            f"({state.choice.reason}); prefill vLLM's"
+            f"({state.choice.reason}{tp}); prefill vLLM's"
         )
 
     # --- memory ------------------------------------------------------------------------
 
-    def _fits(self, facts: IndexerFacts, device: torch.device) -> Choice | None:
-        """Reserve the scores scratch at the first kind that takes ours (vLLM's profile
-        run); None when it holds this kind's largest step."""
+    @staticmethod
+    def _needs(facts: IndexerFacts, modes: set[str], tp: int) -> tuple[int, int]:
+        """(float32 scores, int32 candidate elements) the kind's largest step needs in
+        the ways it may run."""
+        scores = facts.max_rows * max(facts.max_entries, 1) if "ours" in modes else 0
+        local = 0
+        if tp > 1:
+            for split, (s, c) in indexer_tp.split_elements(facts, tp).items():
+                if split in modes:
+                    scores, local = max(scores, s), max(local, c)
+        return scores, local
+
+    def _fits(
+        self, facts: IndexerFacts, device: torch.device, modes: set[str], tp: int
+    ) -> Choice | None:
+        """Reserve the scratch at the first kind that takes ours (vLLM's profile run);
+        None when it holds this kind's largest step."""
         rt = self.runtime
+        scores, local = self._needs(facts, modes, tp)
         if self.scores is None:
             if facts.max_rows <= 0 or facts.max_entries <= 0:
                 return Choice(False, "the largest decode step or context is not known")
@@ -115,20 +177,20 @@ class IndexerPart:
                 return Choice(False, self._refusal)
             try:
                 with workspace_pool(manager):
-                    self.scores = torch.empty(
-                        (facts.max_rows, facts.max_entries), dtype=torch.float32, device=device
-                    )
+                    self.scores = torch.empty(scores, dtype=torch.float32, device=device)
+                    self.local = torch.empty(local, dtype=torch.int32, device=device)
             except Exception as exc:  # out of memory, ...
+                self.scores = self.local = None
                 self._refusal = f"no indexer scratch could be reserved ({exc})"
                 return Choice(False, self._refusal)
-            rt.reserved["indexer"] = facts.scores_bytes
+            rt.reserved["indexer"] = 4 * (scores + local)
             rt.access.info(rt.memory_line())
-        rows, width = self.scores.shape
-        if facts.max_rows > rows or facts.max_entries > width:
+        assert self.local is not None
+        if scores > self.scores.numel() or local > self.local.numel():
             return Choice(
                 False,
-                f"the indexer scratch holds {rows} rows of {width} scores, this kind needs "
-                f"{facts.max_rows} of {facts.max_entries}",
+                f"the indexer scratch holds {self.scores.numel()} scores and "
+                f"{self.local.numel()} candidates, this kind needs {scores} and {local}",
             )
         return None
 
@@ -136,7 +198,7 @@ class IndexerPart:
         """Drop the scores scratch (False: there was none, or a captured graph uses it)."""
         if self.scores is None or self.captured:
             return False
-        self.scores = None
+        self.scores = self.local = None
         return True
 
     def takes_any(self) -> bool:
@@ -160,10 +222,43 @@ class IndexerPart:
             out = torch.empty((2, f.topk), dtype=torch.int32, device=device)
             assert self.scores is not None
             indexer_decode_topk(q, weights, cache, lens, None, table, f.topk, out,
-                                max_entries=n, scores=self.scores, clear_rows=2)  # fmt: skip
+                                max_entries=n, scores=self.scores[: n].view(1, n),
+                                clear_rows=2)  # fmt: skip
         except Exception as exc:
             state.choice = Choice(False, f"its warm-up failed: {type(exc).__name__}: {exc}")
         state.warmup_seconds = time.perf_counter() - began
+
+    def _warm_up_split(self, state: IndexerState, share: TpShare, device: torch.device) -> bool:
+        """Compile a split step's kernels (a row share, a key share, the merge of this
+        rank's candidates alone) on a tiny batch, without the exchange: a failure
+        here is this rank's, and the agreement that follows keeps every rank whole."""
+        from dsv4_kernels import indexer_decode_topk, indexer_merge_topk, indexer_shard_topk
+
+        f = state.facts
+        began = time.perf_counter()
+        try:
+            assert self.scores is not None and self.local is not None
+            entries = max(f.page_entries, 1)
+            n = min(f.max_entries, f.topk + 1, 2 * entries)
+            cache = torch.zeros((2, entries, f.head_dim + 4), dtype=torch.uint8, device=device)
+            q = torch.zeros((1, f.heads, f.head_dim), device=device).to(torch.float8_e4m3fn)
+            weights = torch.zeros((1, f.heads), dtype=torch.float32, device=device)
+            lens = torch.full((1,), n, dtype=torch.int32, device=device)
+            table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+            args = (q, weights, cache, lens, None, table, f.topk)
+            out = torch.empty((2, 2 * f.topk), dtype=torch.int32, device=device)
+            indexer_decode_topk(*args, out, max_entries=n, scores=self.scores[:n].view(1, n),
+                                row_offset=share.rank)  # fmt: skip
+            w = -(-n // share.size)
+            indexer_shard_topk(*args, out[:1], shard=share.rank, shards=share.size,
+                               max_entries=n, scores=self.scores[:w].view(1, w))  # fmt: skip
+            indexer_merge_topk(out[:1], f.topk, out[1:], shards=1)
+        except Exception as exc:
+            state.tp_note = f"{share.text}: the split's warm-up failed: {type(exc).__name__}"
+            return False
+        finally:
+            state.warmup_seconds += time.perf_counter() - began
+        return True
 
     # --- steps --------------------------------------------------------------------------
 
@@ -192,20 +287,30 @@ class IndexerPart:
                 return False
             op = indexer.indexer_op
             step = vllm_calls.indexer_step(op, metadata)
-            if step is None or self.scores is None or step.rows > self.scores.shape[0]:
+            if step is None or self.scores is None or step.rows > facts.max_rows:
                 return False
             assert rt.table is not None
-            if not policy.indexer_faster(rt.table.indexer, facts.heads, facts.topk, step.rows):
+            share = state.share
+            mode = policy.indexer_mode(
+                rt.table.indexer, facts.heads, facts.topk, step.rows,
+                share.size if share is not None else 1, rt.serving.max_model_len,
+            )  # fmt: skip
+            padded = int(hidden_states.shape[0])
+            if mode == "vllm":
                 return False
-            vllm_calls.run_indexer(
-                facts,
-                step,
-                op,
-                index_q,
-                index_weights,
-                int(hidden_states.shape[0]),
-                self.scores,
-            )
+            if mode == "ours":
+                width = max(facts.max_entries, 1)
+                scores = self.scores[: facts.max_rows * width].view(facts.max_rows, width)
+                vllm_calls.run_indexer(facts, step, op, index_q, index_weights, padded, scores)
+            else:
+                assert share is not None and self.local is not None
+                indexer_tp.run_split(
+                    mode, share, facts, q=index_q, weights=index_weights,
+                    cache=op.k_cache.kv_cache, lens=step.lens, block_table=step.block_table,
+                    rows=step.rows, rows_per_request=step.rows_per_request,
+                    out=op.topk_indices_buffer, padded_rows=padded, scores=self.scores,
+                    local=self.local,
+                )  # fmt: skip
             if rt.access.capturing():
                 self.captured = True  # the graph replays with the scratch: keep it
             return True

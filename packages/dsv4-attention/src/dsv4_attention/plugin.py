@@ -350,6 +350,15 @@ def _access() -> Any:
             else None
         )
 
+    parallel = importlib.import_module("vllm.distributed.parallel_state")
+
+    def tp_group() -> Any:
+        # vLLM's TP group of this rank (None before vLLM made its groups)
+        ready = getattr(parallel, "model_parallel_is_initialized", None)
+        if not callable(ready) or not ready():
+            return None
+        return parallel.get_tp_group()
+
     log = _logger()
     return VllmAccess(
         forward_context=forward_context,
@@ -357,6 +366,7 @@ def _access() -> Any:
         info=log.info,
         warning=log.warning,
         dual_batch=ubatching.dbo_enabled,
+        tp_group=tp_group,
     )
 
 

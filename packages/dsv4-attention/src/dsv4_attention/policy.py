@@ -29,6 +29,7 @@ __all__ = [
     "decode_limits",
     "indexer_choice",
     "indexer_faster",
+    "indexer_mode",
     "native_prefill_choice",
     "prefill_choice",
     "prefill_heads_limit",
@@ -261,17 +262,24 @@ def prefill_step_takes_ours(
     return mean_keys is not None and mean_keys <= limits.c4a_short_rows_mean_keys
 
 
-def _bracketed_faster(row: Mapping[int, float] | None, n: int, min_ratio: float) -> bool:
-    """Whether the measured sizes bracketing ``n`` (the nearest at or below and at or
-    above) were both faster, or, past the largest measured size, the largest was."""
+def _bracketed_ratio(row: Mapping[int, float] | None, n: int) -> float | None:
+    """The smaller ratio of the measured sizes bracketing ``n`` (the nearest at or below
+    and at or above; past the largest measured size, the largest's); None: none."""
     if row is None or n <= 0:
-        return False
+        return None
     steps = sorted(row)
     below = [t for t in steps if t <= n]
     above = [t for t in steps if t >= n]
     sides = [below[-1]] if below else []
     sides += [above[0]] if above else []
-    return bool(sides) and all(row[t] > min_ratio for t in sides)
+    return min(row[t] for t in sides) if sides else None
+
+
+def _bracketed_faster(row: Mapping[int, float] | None, n: int, min_ratio: float) -> bool:
+    """Whether the measured sizes bracketing ``n`` (the nearest at or below and at or
+    above) were both faster, or, past the largest measured size, the largest was."""
+    ratio = _bracketed_ratio(row, n)
+    return ratio is not None and ratio > min_ratio
 
 
 def decode_faster(table: DecodeTable, layer: str | int, heads: int, num_tokens: int) -> bool:
@@ -289,11 +297,49 @@ def indexer_faster(table: IndexerTable | None, heads: int, topk: int, rows: int)
     return _bracketed_faster(table.row(heads, topk), rows, table.min_ratio)
 
 
+INDEXER_MODES = ("vllm", "ours", "rows", "keys")
+
+
+def indexer_mode(
+    table: IndexerTable | None,
+    heads: int,
+    topk: int,
+    rows: int,
+    tp: int = 1,
+    max_len: int | None = None,
+) -> str:
+    """What a decode indexer step of ``rows`` query rows runs: ``"vllm"`` (vLLM's own,
+    replicated on every rank), ``"ours"`` (ours, replicated), or ours split across a TP
+    group of ``tp`` ranks by ``"rows"`` (only with at least ``tp`` rows) or by
+    ``"keys"``: of those measured faster than vLLM's (the bracketing rule of
+    :func:`decode_faster`; a split's ratio the smallest over the contexts measured up to
+    ``max_len``), the fastest."""
+    if table is None:
+        return "vllm"
+    best, mode = table.min_ratio, "vllm"
+    candidates = [("ours", table.row(heads, topk))]
+    if tp > 1:
+        if rows >= tp:
+            candidates.append(("rows", table.split_row(tp, heads, topk, "rows", max_len)))
+        candidates.append(("keys", table.split_row(tp, heads, topk, "keys", max_len)))
+    for name, row in candidates:
+        ratio = _bracketed_ratio(row, rows)
+        if ratio is not None and ratio > best:
+            best, mode = ratio, name
+    return mode
+
+
 def indexer_choice(
-    facts: IndexerFacts, device: Device, table: MeasuredTable | None, switches: Switches
+    facts: IndexerFacts,
+    device: Device,
+    table: MeasuredTable | None,
+    switches: Switches,
+    tp: int = 1,
+    max_len: int | None = None,
 ) -> Choice:
     """Whether this indexer kind's decode (scores + top-k) may take ours (decided once, at
-    start-up); which step sizes then do is :func:`indexer_faster`."""
+    start-up), replicated or split across a TP group of ``tp`` ranks; which step sizes
+    then do, and how, is :func:`indexer_mode`."""
     if switches.indexer_disable:
         return Choice(False, f"{ENV_INDEXER_DISABLE}=1")
     if facts.family != "v4":
@@ -316,16 +362,27 @@ def indexer_choice(
         return Choice(False, f"no measured table for {device.name or 'this device'}")
     if table.indexer is None:
         return Choice(False, f"the decode indexer was not measured on {table.device_name}")
-    row = table.indexer.row(facts.heads, facts.topk)
-    faster = [] if row is None else [r for r, x in row.items() if x > table.indexer.min_ratio]
-    if not faster:
+    t = table.indexer
+    rows = {"replicated": t.row(facts.heads, facts.topk)}
+    if tp > 1:
+        for split in ("rows", "keys"):
+            rows[f"split by {split} over TP{tp}"] = t.split_row(
+                tp, facts.heads, facts.topk, split, max_len
+            )
+    said = []
+    for name, row in rows.items():
+        faster = [] if row is None else [r for r, x in row.items() if x > t.min_ratio]
+        if faster:
+            assert row is not None
+            said.append(f"{name} at the row counts measured faster ({len(faster)} of {len(row)})")
+    if not said:
+        split = f" (nor split over TP{tp})" if tp > 1 else ""
         return Choice(
             False,
-            f"{facts.heads} index heads at top-{facts.topk} were not measured faster "
+            f"{facts.heads} index heads at top-{facts.topk} were not measured faster{split} "
             f"({table.device_name})",
         )
-    assert row is not None
-    return Choice(True, f"at the row counts measured faster ({len(faster)} of {len(row)})")
+    return Choice(True, "; ".join(said))
 
 
 def decode_choice(

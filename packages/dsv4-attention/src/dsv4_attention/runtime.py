@@ -73,8 +73,9 @@ def _capturing() -> bool:
 class VllmAccess:
     """How the runtime reaches vLLM (set by the plugin from the release's facts; tests
     pass their own): the current forward context or None, the workspace manager or
-    None, vLLM's logger, whether dual-batch overlap is running, and whether the
-    current stream is being captured into a CUDA graph."""
+    None, vLLM's logger, whether dual-batch overlap is running, whether the
+    current stream is being captured into a CUDA graph, and vLLM's tensor-parallel
+    group of this rank (its ``GroupCoordinator``) or None."""
 
     forward_context: Callable[[], Any] = _nothing
     workspace: Callable[[], Any] = _nothing
@@ -82,6 +83,7 @@ class VllmAccess:
     warning: Callable[[str], None] = print
     dual_batch: Callable[[], bool] = _never
     capturing: Callable[[], bool] = _capturing
+    tp_group: Callable[[], Any] = _nothing
 
 
 @dataclass

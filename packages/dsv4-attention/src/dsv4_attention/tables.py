@@ -22,9 +22,10 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from types import MappingProxyType
+from typing import Any
 
 __all__ = [
     "ENV_TABLES_DIR",
@@ -97,11 +98,35 @@ class IndexerTable:
     min_ratio: float
     ratios: Mapping[int, Mapping[int, Mapping[int, float]]]  # heads -> topk -> rows -> ratio
     source: str = ""
+    # the split across a TP group (issue 40): vLLM's replicated indexer over one rank's
+    # share and the exchange, per TP size -> heads -> topk -> split ("rows" or "keys")
+    # -> rows -> context (tokens) -> ratio; empty where no several-GPU machine measured it
+    sharded: Mapping[int, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def row(self, heads: int, topk: int) -> Mapping[int, float] | None:
         """The measured row counts at exactly these index heads and top-k (None: not
         measured; another head count or top-k is never borrowed)."""
         return self.ratios.get(heads, {}).get(topk)
+
+    def split_row(
+        self, tp: int, heads: int, topk: int, split: str, max_len: int | None
+    ) -> Mapping[int, float] | None:
+        """A split's measured row counts at exactly this TP size, index heads and top-k,
+        each the smallest ratio over the contexts measured up to ``max_len`` (the
+        engine's longest context; the shortest measured context always counts, since a
+        captured step serves every context); None: not measured."""
+        by_rows = self.sharded.get(tp, {}).get(heads, {}).get(topk, {}).get(split)
+        if not by_rows:
+            return None
+        out = {}
+        for rows, by_context in by_rows.items():
+            if not by_context:
+                continue
+            shortest = min(by_context)
+            seen = [x for c, x in by_context.items() if c == shortest or max_len is None
+                    or c <= max_len]  # fmt: skip
+            out[rows] = min(seen)
+        return MappingProxyType(out) if out else None
 
 
 @dataclass(frozen=True)
@@ -132,6 +157,27 @@ def _frozen_ratios(raw: Mapping[str, object]) -> Mapping[str, Mapping[int, Mappi
     return MappingProxyType(out)
 
 
+SPLITS = ("rows", "keys")
+
+
+def _sharded(raw: object) -> Mapping[int, Any]:
+    """``indexer.sharded``: TP size -> heads -> topk -> split -> rows -> context -> ratio."""
+    if raw is None:
+        return MappingProxyType({})
+    assert isinstance(raw, dict), "indexer.sharded must be an object"
+
+    def level(obj: object, depth: int) -> Any:
+        assert isinstance(obj, dict), "indexer.sharded's levels must be objects"
+        if depth == 3:  # split names
+            assert set(obj) <= set(SPLITS), f"indexer.sharded splits must be among {SPLITS}"
+            return MappingProxyType({str(k): level(v, 4) for k, v in obj.items()})
+        if depth == 5:  # context -> ratio
+            return MappingProxyType({int(k): float(v) for k, v in obj.items()})
+        return MappingProxyType({int(k): level(v, depth + 1) for k, v in obj.items()})
+
+    return level(raw, 0)
+
+
 def _indexer_table(raw: object) -> IndexerTable | None:
     if raw is None:
         return None
@@ -139,6 +185,7 @@ def _indexer_table(raw: object) -> IndexerTable | None:
     ratios = raw["ratios"]
     assert isinstance(ratios, dict), "indexer.ratios must be an object"
     return IndexerTable(
+        sharded=_sharded(raw.get("sharded")),
         min_ratio=float(raw["min_ratio"]),
         ratios=MappingProxyType(
             {
