@@ -17,6 +17,7 @@ vLLM's op is observed by its calls where it must run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -101,67 +102,76 @@ class Rig:
     capturing: list[bool]
 
 
-@pytest.fixture
-def rig(workspace: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Rig]:
+def make_rig(
+    workspace: Any,
+    k: int = 0,
+    table: MeasuredTable | None = FASTER,
+    switches: Any = None,
+    tp_group: Callable[[], Any] | None = None,
+) -> Rig:
+    """vLLM's indexer op, pages and layer under the plugin (``workspace``: vLLM's
+    workspace module, its manager made; ``tp_group``: how the runtime reaches vLLM's TP
+    group, None: no group)."""
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import get_forward_context, is_forward_context_available
     from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
     from vllm.models.deepseek_v4.attention import DeepseekV4IndexerCache
     from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
 
-    def build(k: int = 0, table: MeasuredTable | None = FASTER, switches: Any = None) -> Rig:
-        config = _config(k)
-        views, _ = vllm_dsv4_caches("BLHNC", available_bytes=8 << 20, ratios=(1, 4))
-        (index_view,) = [v.view for v in views if v.kind == "indexer"]
-        with set_current_vllm_config(config):
-            k_cache = DeepseekV4IndexerCache(
-                head_dim=132,
-                dtype=torch.uint8,
-                prefix=PREFIX,
-                cache_config=config.cache_config,
-                compress_ratio=4,
-            )
-            k_cache.bind_kv_cache(index_view.unsqueeze(1))  # as vLLM binds [B, 1, N, C]
-            buffer = torch.full((BUDGET, TOPK), 7, dtype=torch.int32)
-            op = SparseAttnIndexer(
-                k_cache, 128, "ue8m0", TOPK, 128, MAX_MODEL_LEN // 4, BUDGET, buffer,
-                skip_k_cache_insert=True, use_fp4_cache=False, compress_ratio=4,
-            )  # fmt: skip
-        mqa_calls: list[tuple[Any, ...]] = []
-        layer = types.SimpleNamespace(
-            indexer=types.SimpleNamespace(indexer_op=op, n_head=HEADS, compress_ratio=4),
-            forward_mqa=lambda *args: mqa_calls.append(args),
+    config = _config(k)
+    views, _ = vllm_dsv4_caches("BLHNC", available_bytes=8 << 20, ratios=(1, 4))
+    (index_view,) = [v.view for v in views if v.kind == "indexer"]
+    with set_current_vllm_config(config):
+        k_cache = DeepseekV4IndexerCache(
+            head_dim=132,
+            dtype=torch.uint8,
+            prefix=PREFIX,
+            cache_config=config.cache_config,
+            compress_ratio=4,
         )
-        info: list[str] = []
-        warning: list[str] = []
-        capturing = [False]
-        access = VllmAccess(
-            forward_context=lambda: (
-                get_forward_context() if is_forward_context_available() else None
-            ),
-            workspace=lambda: (
-                workspace.current_workspace_manager()
-                if workspace.is_workspace_manager_initialized()
-                else None
-            ),
-            info=info.append,
-            warning=warning.append,
-            capturing=lambda: capturing[0],
-        )
-        serving = ServingConfig(
-            architectures=("DeepseekV4ForCausalLM",),
-            max_num_batched_tokens=BUDGET,
-            max_model_len=MAX_MODEL_LEN,
-            max_num_seqs=16,
-            max_decode_query_len=1 + k,
-            index_topk=TOPK,
-        )
-        rt = HeadExactRuntime(serving, HOPPER, table, switches or Switches(), access)
-        cls = make_attention_cls(DeepseekV4FlashMLAAttention, rt)
-        return Rig(config, cls, rt, layer, op, k_cache.kv_cache, info, warning, mqa_calls,
-                   capturing)  # fmt: skip
+        k_cache.bind_kv_cache(index_view.unsqueeze(1))  # as vLLM binds [B, 1, N, C]
+        buffer = torch.full((BUDGET, TOPK), 7, dtype=torch.int32)
+        op = SparseAttnIndexer(
+            k_cache, 128, "ue8m0", TOPK, 128, MAX_MODEL_LEN // 4, BUDGET, buffer,
+            skip_k_cache_insert=True, use_fp4_cache=False, compress_ratio=4,
+        )  # fmt: skip
+    mqa_calls: list[tuple[Any, ...]] = []
+    layer = types.SimpleNamespace(
+        indexer=types.SimpleNamespace(indexer_op=op, n_head=HEADS, compress_ratio=4),
+        forward_mqa=lambda *args: mqa_calls.append(args),
+    )
+    info: list[str] = []
+    warning: list[str] = []
+    capturing = [False]
+    access = VllmAccess(
+        forward_context=lambda: get_forward_context() if is_forward_context_available() else None,
+        workspace=lambda: (
+            workspace.current_workspace_manager()
+            if workspace.is_workspace_manager_initialized()
+            else None
+        ),
+        info=info.append,
+        warning=warning.append,
+        capturing=lambda: capturing[0],
+        tp_group=tp_group or (lambda: None),
+    )
+    serving = ServingConfig(
+        architectures=("DeepseekV4ForCausalLM",),
+        max_num_batched_tokens=BUDGET,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=16,
+        max_decode_query_len=1 + k,
+        index_topk=TOPK,
+    )
+    rt = HeadExactRuntime(serving, HOPPER, table, switches or Switches(), access)
+    cls = make_attention_cls(DeepseekV4FlashMLAAttention, rt)
+    return Rig(config, cls, rt, layer, op, k_cache.kv_cache, info, warning, mqa_calls,
+               capturing)  # fmt: skip
 
-    return build
+
+@pytest.fixture
+def rig(workspace: Any) -> Callable[..., Rig]:
+    return functools.partial(make_rig, workspace)
 
 
 def _region(rig: Rig, q: torch.Tensor, weights: torch.Tensor) -> None:

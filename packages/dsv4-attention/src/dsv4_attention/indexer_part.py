@@ -127,7 +127,7 @@ class IndexerPart:
         if not indexer_tp.agree(share, ok):
             state.tp_note = f"{share.text}: not split (not measured faster, or a rank could not)"
             return
-        share.group.all_gather(torch.zeros((1, 2), dtype=torch.int32, device=device), dim=0)
+        share.group.all_gather(torch.zeros((1, 2), device=device), dim=0)
         state.share = share
         state.tp_note = f"{share.text}: split where measured faster"
 
@@ -244,7 +244,8 @@ class IndexerPart:
             q = torch.zeros((1, f.heads, f.head_dim), device=device).to(torch.float8_e4m3fn)
             weights = torch.zeros((1, f.heads), dtype=torch.float32, device=device)
             lens = torch.full((1,), n, dtype=torch.int32, device=device)
-            table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+            # one block-table row per rank: the row share's row ``rank`` reads its own
+            table = torch.tensor([[0, 1]] * share.size, dtype=torch.int32, device=device)
             args = (q, weights, cache, lens, None, table, f.topk)
             out = torch.empty((2, 2 * f.topk), dtype=torch.int32, device=device)
             indexer_decode_topk(*args, out, max_entries=n, scores=self.scores[:n].view(1, n),

@@ -16,9 +16,9 @@ can do a share and the ranks exchange results through vLLM's own TP group:
   all-gather each rank selects the top-k of all ranks' candidates
   (``indexer_merge_topk``): exactly the unsharded top-k, ties lowest position first.
 
-The exchange is ``GroupCoordinator.all_gather`` of vLLM's TP group, the call vLLM's
-own layers make (its PyNCCL communicator on CUDA, captured in decode CUDA graphs as
-vLLM's collectives are; its CPU communicator on CPU).  What a step runs depends on host
+The exchange is ``GroupCoordinator.all_gather`` of vLLM's TP group (the int32 results'
+bits as float32), the call vLLM's own layers make (its PyNCCL communicator on CUDA,
+captured in decode CUDA graphs as vLLM's collectives are; its CPU communicator on CPU).  What a step runs depends on host
 facts only (the row count, the measured table, the engine's longest context), identical
 on every rank, so every rank joins the same exchange.  Whether a kind may split is
 decided at start-up, on every rank at the same first call (vLLM's profile run), and
@@ -114,6 +114,12 @@ def split_elements(facts: IndexerFacts, size: int) -> dict[str, tuple[int, int]]
     }
 
 
+def _all_gather(share: TpShare, part: torch.Tensor) -> torch.Tensor:
+    """vLLM's TP all-gather of an int32 ``part`` along rows, its bits carried as float32
+    (a gather copies bytes; vLLM's CPU shared-memory communicator gathers no int32)."""
+    return share.group.all_gather(part.view(torch.float32), dim=0).view(torch.int32)
+
+
 def run_split(
     split: str,
     share: TpShare,
@@ -150,7 +156,7 @@ def run_split(
                 scores=scores[: n * width].view(n, width),
                 rows_per_request=rows_per_request, row_offset=first,
             )  # fmt: skip
-        gathered = share.group.all_gather(part, dim=0)  # [size * c, topk]: rows in order
+        gathered = _all_gather(share, part)  # [size * c, topk]: rows in order
         out[:rows, :topk].copy_(gathered[:rows])
         if padded_rows > rows:
             out[rows:padded_rows, :topk].fill_(-1)
@@ -164,5 +170,5 @@ def run_split(
         shard=share.rank, shards=size, max_entries=facts.max_entries,
         scores=scores[: rows * width].view(rows, width), rows_per_request=rows_per_request,
     )  # fmt: skip
-    gathered = share.group.all_gather(part, dim=0)  # [size * rows, 2 * topk], rank-major
+    gathered = _all_gather(share, part)  # [size * rows, 2 * topk], rank-major
     indexer_merge_topk(gathered, topk, out, shards=size, clear_rows=padded_rows)
