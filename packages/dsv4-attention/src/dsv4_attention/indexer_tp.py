@@ -18,9 +18,10 @@ can do a share and the ranks exchange results through vLLM's own TP group:
 
 The exchange is ``GroupCoordinator.all_gather`` of vLLM's TP group (the int32 results'
 bits as float32), the call vLLM's own layers make (its PyNCCL communicator on CUDA,
-captured in decode CUDA graphs as vLLM's collectives are; its CPU communicator on CPU).  What a step runs depends on host
-facts only (the row count, the measured table, the engine's longest context), identical
-on every rank, so every rank joins the same exchange.  Whether a kind may split is
+captured in decode CUDA graphs as vLLM's collectives are; its CPU communicator on CPU).
+What a step runs depends on host facts only (the row count, the measured table, the
+engine's longest context), identical on every rank, so every rank joins the same
+exchange.  Whether a kind may split is
 decided at start-up, on every rank at the same first call (vLLM's profile run), and
 agreed over vLLM's CPU group: if one rank cannot split, none does.
 
