@@ -143,13 +143,12 @@ def _plugin_splits(workspace: Any, tp_group: Any, seed: int, tp: int) -> list[st
 
     indexer_tp.run_split = spy  # type: ignore[assignment]
     try:
-        for i, (k, seq_lens, query_lens) in enumerate(
-            (
-                (0, [1500, 300, 2100, 260], [1, 1, 1, 1]),
-                (1, [1500, 301, 2101], [2, 2, 2]),
-                (0, [2100], [1]),
-            )  # fmt: skip
-        ):
+        steps = (
+            (0, [1500, 300, 2100, 260], [1, 1, 1, 1]),  # 4 rows
+            (1, [1500, 301, 2101], [2, 2, 2]),  # MTP k=1: 6 rows
+            (0, [2100], [1]),  # one request
+        )
+        for i, (k, seq_lens, query_lens) in enumerate(steps):
             g = generator(seed + 100 + i)
             r = make_rig(workspace, k, table, tp_group=tp_group)
             _profile(r)
