@@ -166,7 +166,7 @@ def _plugin_splits(workspace: Any, tp_group: Any, seed: int, tp: int) -> list[st
             taken.clear()
             with set_forward_context({PREFIX: batch.meta}, r.config):
                 _region(r, q, w)
-            expect = "rows" if T >= tp else "keys"
+            expect = "rows" if tp <= T else "keys"
             if taken != [expect]:
                 problems.append(f"{where}: {T} rows took {taken}, not {expect}")
             buf = r.op.topk_indices_buffer
