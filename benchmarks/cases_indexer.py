@@ -19,6 +19,15 @@ buffer cleared, the scores, the top-k (its schedule metadata is built by vLLM's
 metadata builder, outside the op, and is not timed).  Where the pair is not staged the
 run says so and times ours alone.
 
+The split across a TP group (issue 40), one rank's part on this one GPU: at TP ``P``
+(``SPLIT_TP``), ``split-keys/TP{P}`` is rank 0's key share of every row
+(``indexer_shard_topk``) and the merge of all ranks' candidates
+(``indexer_merge_topk``, the gathered tensor made beforehand by running every share),
+checked like the others; ``split-rows/TP{P}`` is rank 0's ``ceil(rows / P)`` rows
+(at least ``P`` rows), its first row checked.  Against vLLM's replicated time divided
+by ``P``, what is left is the budget of the exchange (``benchmarks.tp_indexer``
+measures the exchange itself on several GPUs).
+
 ``floor``: the bytes that must move: each row's index entries once (132 bytes each;
 a request's rows share them), the queries, weights and the top-k written.  On a CPU
 (smoke) tiny steps run ours through the interpreter.
@@ -42,8 +51,9 @@ REQUESTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CONTEXTS = (8192, 131072, 1048576)
 TOKENS = (1, 2)  # query rows per request (MTP k=1: vLLM's native (B, 2) lengths)
 MODELS = (("flash", 64, 512), ("pro", 64, 1024))
-SMOKE = [("smoke-2x300", 2, 300 * 4, 1, 16, 32)]
+SMOKE = [("smoke-2x300", 2, 300 * 4, 1, 16, 32)]  # 2 rows: both splits at TP2
 VLLM_PROVIDER = "vllm-0.33"
+SPLIT_TP = 8  # the TP size whose one-rank parts are timed (V4 at TP8)
 
 
 def _case(
@@ -77,13 +87,15 @@ def _case(
         table, topk,
     )  # fmt: skip
 
-    def provider(label: str, run: Callable[[], None], out: torch.Tensor) -> Provider:
+    def provider(
+        label: str, run: Callable[[], None], out: torch.Tensor, only_first: bool = False
+    ) -> Provider:
         def poison() -> None:
             out.fill_(POISON)
 
         def check() -> None:
             got = out[check_rows]
-            for i in range(len(check_rows)):
+            for i in range(1 if only_first else len(check_rows)):
                 g_row, w_row = sorted(got[i].tolist()), sorted(want[i].tolist())
                 assert g_row == w_row, (
                     f"{label}, row {check_rows[i]}: not the reference's top-{topk} set"
@@ -100,6 +112,10 @@ def _case(
         )  # fmt: skip
 
     providers = [provider("dsv4-kernels", ours, ours_out)]
+    providers += _split_providers(
+        provider, q, weights, cache, lens, table, topk, entries, per, device,
+        SPLIT_TP if device.type == "cuda" else 2,
+    )  # fmt: skip
     params: dict[str, object] = {
         "requests": reqs,
         "tokens_per_request": per,
@@ -124,6 +140,57 @@ def _case(
             providers.append(provider(VLLM_PROVIDER, run, vllm_out))
     floor = reqs * entries * INDEX_ENTRY_BYTES + rows * heads * (INDEX_DIM + 4) + rows * topk * 4
     return BenchCase(KERNEL, name, rows, floor, providers, params)
+
+
+def _split_providers(
+    provider: Callable[..., Provider],
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    lens: torch.Tensor,
+    table: torch.Tensor,
+    topk: int,
+    entries: int,
+    per: int,
+    device: torch.device,
+    tp: int,
+) -> list[Provider]:
+    """Rank 0's part of a step split across ``tp`` ranks (module docstring)."""
+    import dsv4_kernels as dk
+
+    rows = q.shape[0]
+    width = -(-entries // tp)
+    scores = torch.empty((rows, width), dtype=torch.float32, device=device)
+    parts = []
+    for r in range(tp):  # every rank's candidates: the all-gather's result
+        part = torch.empty((rows, 2 * topk), dtype=torch.int32, device=device)
+        dk.indexer_shard_topk(q, weights, cache, lens, None, table, topk, part, shard=r,
+                              shards=tp, max_entries=entries, scores=scores,
+                              rows_per_request=per)  # fmt: skip
+        parts.append(part)
+    gathered = torch.cat(parts)
+    local = parts[0].clone()
+    keys_out = torch.empty((rows, topk), dtype=torch.int32, device=device)
+
+    def keys() -> None:
+        dk.indexer_shard_topk(q, weights, cache, lens, None, table, topk, local, shard=0,
+                              shards=tp, max_entries=entries, scores=scores,
+                              rows_per_request=per)  # fmt: skip
+        dk.indexer_merge_topk(gathered, topk, keys_out, shards=tp)
+
+    out = [provider(f"split-keys/TP{tp}", keys, keys_out)]
+    if rows >= tp:
+        c = -(-rows // tp)
+        rows_out = torch.empty((rows, topk), dtype=torch.int32, device=device)
+        row_scores = torch.empty((c, entries), dtype=torch.float32, device=device)
+
+        def rank0_rows() -> None:
+            dk.indexer_decode_topk(q[:c], weights[:c], cache, lens[:c], None, table, topk,
+                                   rows_out, max_entries=entries, scores=row_scores,
+                                   rows_per_request=per)  # fmt: skip
+
+        out.append(provider(f"split-rows/TP{tp}", rank0_rows, rows_out, only_first=True))
+    return out
 
 
 def build_cases(device: torch.device, smoke: bool) -> Iterable[BenchCase]:

@@ -115,18 +115,21 @@ def test_bad_input_is_named() -> None:
 
 
 def test_the_benchmark_case_checks_what_it_times() -> None:
-    """``benchmarks.cases_indexer``'s smoke case: ours runs and passes its check, and the
-    check fails on the poisoned output alone (a provider that wrote nothing)."""
+    """``benchmarks.cases_indexer``'s smoke case: ours and the two split parts (TP2 on a
+    CPU) run and pass their checks, and each check fails on the poisoned output alone
+    (a provider that wrote nothing)."""
     from benchmarks.cases_indexer import build_cases
 
     (case,) = build_cases(torch.device("cpu"), smoke=True)
-    (prov,) = case.providers
-    prov.poison()
-    prov.run()
-    prov.check()
-    prov.poison()
-    with pytest.raises(AssertionError, match="not the reference"):
+    labels = [p.name for p in case.providers]
+    assert labels == ["dsv4-kernels", "split-keys/TP2", "split-rows/TP2"], labels
+    for prov in case.providers:
+        prov.poison()
+        prov.run()
         prov.check()
+        prov.poison()
+        with pytest.raises(AssertionError, match="not the reference"):
+            prov.check()
     assert case.floor_bytes >= case.params["entries"] * 132 * case.params["requests"]
 
 
