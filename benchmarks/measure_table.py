@@ -19,6 +19,8 @@ padded to 64 heads as vLLM calls it, under CUDA graphs) and writes
   ours per index heads, top-k and row count, the smallest over the contexts
   (:mod:`benchmarks.cases_indexer`'s grid); the plugin takes ours only at row counts
   measured faster; without the pair the section is left out (vLLM's indexer runs);
+  ``--sharded FILE`` adds a several-GPU run's split section (``sharded.json`` of
+  ``python3 -m benchmarks.tp_indexer``) as ``indexer.sharded``;
 * ``prefill``: every limit 0 (vLLM's prefill everywhere) and ``combine.replace``
   false: this command does not measure them (the shipped H200 limits came from curated
   prefill runs, ``docs/results/h200-run17``); edit the file after measuring them with
@@ -95,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.measure_table", description=__doc__)
     p.add_argument("--out", type=Path, required=True, help="folder for the table (DSV4_TABLES_DIR)")
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench's repetition time per case")
+    p.add_argument(
+        "--sharded", type=Path, default=None,
+        help="sharded.json of benchmarks.tp_indexer (several GPUs): the split section",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -147,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     if section is None:
         print("measure_table: vLLM's decode indexer pair did not run: no indexer section")
     else:
+        if args.sharded is not None:
+            section["sharded"] = json.loads(args.sharded.read_text())
         table["indexer"] = section
     path = write_table(args.out, table)
     print(f"wrote {path}; serve with DSV4_TABLES_DIR={args.out}")
