@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.tp_indexer import sharded_section
+
 from dsv4_attention import policy
 from dsv4_attention.tables import _indexer_table
 

@@ -135,9 +135,9 @@ class IndexerPart:
         """The one log line of an indexer kind's decision."""
         f = state.facts
         who = "ours" if state.choice.ours else "vLLM's"
-        tp = f"; {state.tp_note}" if state.tp_note and state.tp_note != "TP1" else ""
-        if tp and state.tp_note == "no tensor-parallel group":
-            tp = ""
+        # under TP, whether it splits and why (nothing where there is no TP group)
+        quiet = ("", "TP1", "no tensor-parallel group")
+        tp = "" if state.tp_note in quiet else f"; {state.tp_note}"
         return (
             f"dsv4-attention: lightning indexer (ratio {f.compress_ratio}, {f.heads} index "
             f"heads, top-{f.topk}), {self.runtime.serving.model_text}: decode {who} "
@@ -168,7 +168,7 @@ class IndexerPart:
         if self.scores is None:
             if facts.max_rows <= 0 or facts.max_entries <= 0:
                 return Choice(False, "the largest decode step or context is not known")
-            manager = rt._manager()
+            manager = rt.workspace_manager()
             if workspace_locked(manager):
                 self._refusal = (
                     "no indexer scratch could be reserved (vLLM's workspace was locked "
@@ -282,8 +282,8 @@ class IndexerPart:
             state = self.state(indexer, hidden_states.device)
             facts = state.facts
             metadata = getattr(rt.access.forward_context(), "attn_metadata", None)
-            if not rt._settled and isinstance(metadata, dict):
-                rt._release_unused()  # the first step after vLLM's profile run
+            if isinstance(metadata, dict):
+                rt.settle()  # the first step after vLLM's profile run releases
             if not state.choice.ours or index_q_scale is not None or rt.access.dual_batch():
                 return False
             op = indexer.indexer_op
@@ -326,9 +326,9 @@ class IndexerPart:
         rt = self.runtime
         if facts is not None and facts.key in self.kinds:
             self.kinds[facts.key].choice = Choice(False, f"raised {type(exc).__name__}")
-            if rt._settled:
-                rt._release_unused()
-        rt._warn_once(
+            if rt.settled:
+                rt.release_unused()
+        rt.warn_once(
             f"indexer/{None if facts is None else facts.key}",
             f"dsv4-attention: the decode indexer raised {type(exc).__name__}: {exc}; this and "
             "later steps take vLLM's own indexer there",

@@ -236,7 +236,8 @@ class HeadExactRuntime:
 
     # --- memory ------------------------------------------------------------------------
 
-    def _manager(self) -> Any:
+    def workspace_manager(self) -> Any:
+        """This engine's vLLM workspace manager (None before vLLM made it)."""
         return self.access.workspace()
 
     def _reserve(self, facts: LayerFacts, q: torch.Tensor) -> None:
@@ -251,7 +252,7 @@ class HeadExactRuntime:
         decode = [
             f for f in kinds if policy.decode_choice(f, self.device, self.table, self.switches).ours
         ]
-        manager = self._manager()
+        manager = self.workspace_manager()
         if workspace_locked(manager):
             refusal = "vLLM's workspace was locked before this layer's first call"
             self._prefill_refusal = f"no prefill scratch could be reserved ({refusal})"
@@ -322,7 +323,17 @@ class HeadExactRuntime:
         freed = self.reserved.pop(what, 0) / (1 << 20)
         self.access.info(f"dsv4-attention: released the {what} scratch ({freed:.2f} MiB): {reason}")
 
-    def _release_unused(self) -> None:
+    @property
+    def settled(self) -> bool:
+        """Whether vLLM's profile run is over (a step with metadata ran)."""
+        return self._settled
+
+    def settle(self) -> None:
+        """At the first step after vLLM's profile run: release what no kind takes."""
+        if not self._settled:
+            self.release_unused()
+
+    def release_unused(self) -> None:
         """After vLLM's profile run (the first step with metadata), and whenever a kind is
         turned off later: release a scratch that no decided kind takes."""
         self._settled = True
@@ -484,15 +495,15 @@ class HeadExactRuntime:
             if what in ("decode", "start-up"):
                 state.decode = Choice(False, reason)
             if self._settled:
-                self._release_unused()
-        self._warn_once(
+                self.release_unused()
+        self.warn_once(
             f"{what}/{kind}",
             f"dsv4-attention: the {what} of {kind} raised {type(exc).__name__}: {exc}; "
             f"this and later steps take vLLM's own {what} there",
         )
         return False
 
-    def _warn_once(self, key: str, text: str) -> None:
+    def warn_once(self, key: str, text: str) -> None:
         """vLLM's warning ``text``, once per ``key`` in this process."""
         if key not in self._warned:
             self._warned.add(key)
@@ -510,8 +521,7 @@ class HeadExactRuntime:
     ) -> bool:
         """Run the head-exact prefill where it applies; False: vLLM's own must run."""
         try:
-            if not self._settled:
-                self._release_unused()
+            self.settle()
             state = self.kind_state(layer, q)
             if not state.prefill.ours or self.access.dual_batch():
                 return False
@@ -573,8 +583,7 @@ class HeadExactRuntime:
         it reads is fixed for a CUDA graph (the batch size, the layer), so a captured
         graph replays the same choice."""
         try:
-            if not self._settled:
-                self._release_unused()
+            self.settle()
             state = self.kind_state(layer, q)
             if not state.decode.ours or self.access.dual_batch():
                 return False
@@ -642,7 +651,7 @@ class HeadExactRuntime:
             state = self.kinds.get((facts.compress_ratio, facts.heads))
             if state is not None:
                 state.native = Choice(False, f"raised {type(exc).__name__}")
-        self._warn_once(
+        self.warn_once(
             f"native/{getattr(facts, 'kind', None)}",
             f"dsv4-attention: vLLM's prefill at the real heads raised {type(exc).__name__}: "
             f"{exc}; this and later steps run it padded, as vLLM calls it",
