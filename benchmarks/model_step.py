@@ -11,6 +11,11 @@ runs them (:mod:`.model_step_decode`, :mod:`.model_step_prefill`):
   native head count, ``ceil(batch / 8)`` of the requests (decode) or a whole chunk
   (prefill) per GPU.
 
+Decode steps include each C4A layer's lightning indexer (scores + top-k; vLLM's pair on
+vLLM's paths, ours on the plugin's where the table takes it: :mod:`.model_step_indexer`),
+where vLLM's pair is staged (``python3 -m benchmarks.support.fetch_vllm_indexer``);
+without it the indexer is left out of every path, as before, and the run says so.
+
 Grid: decode batches 1, 8, 32, 128, 256 requests of 1 token, or 2 with MTP's draft (the
 ``mtp`` presets), at 8K, 128K and 1M context, one CUDA graph per step; prefill chunks of
 4,096 and 16,384 tokens at the same contexts, eager (as vLLM runs prefill attention).
@@ -40,7 +45,7 @@ from typing import Any
 import torch
 
 from . import harness
-from .harness import BenchCase, Provider, Result
+from .harness import BenchCase, Provider, Result, say_once
 from .model_step_common import StepModel, metadata_ops, step_model, tiny_model
 
 DECODE = "model_step_decode"
@@ -91,14 +96,13 @@ def decode_cases(
             (md.vllm_path(dp_step, ops, DP8), dp_step),
         ]
         providers = [Provider(p.name, p.run, p.poison, md.checker(s, p)) for p, s in paths]
-        return BenchCase(
-            DECODE,
-            tp_cell.name,
-            tp_cell.tokens,
-            md.floor_bytes(step),
-            providers,
-            _params(tp_cell, dp_cell, paths[1][0].ours, seed, gpu),
-        )
+        params = _params(tp_cell, dp_cell, paths[1][0].ours, seed, gpu)
+        params["indexer"] = {p.name: None if p.indexer is None else p.indexer.who
+                             for p, _ in paths}  # fmt: skip
+        params["indexer_note"] = step.indexer_note
+        say_once(f"model step: indexer: {step.indexer_note}")
+        return BenchCase(DECODE, tp_cell.name, tp_cell.tokens, md.floor_bytes(step), providers,
+                         params)  # fmt: skip
 
     return [lambda c=c: build(*c) for c in cells]
 
@@ -260,6 +264,10 @@ def table(rows: Sequence[dict[str, Any]], smoke: bool) -> str:
             f"Layers: {_kinds(dec[0])} ({dec[0]['model']})."
             if len({r["model"] for r in dec}) == 1
             else "Layers: " + "; ".join(sorted({f"{r['model']} {_kinds(r)}" for r in dec})) + ".",
+            "",
+            "Each C4A layer's lightning indexer: "
+            + "; ".join(sorted({str(r.get("indexer_note") or "not included") for r in dec}))
+            + ".",
             "",
         ]
         if smoke:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -69,6 +70,7 @@ class StepPath:
     poison: Callable[[], None]
     ours: tuple[str, ...]
     kept: tuple[int, ...]
+    indexer: Any = None  # decode: the C4A layers' indexer (model_step_indexer.IndexerPath)
 
 
 def step_model(name: str, layout: str) -> StepModel:

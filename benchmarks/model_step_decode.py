@@ -15,7 +15,9 @@ layer of the model in vLLM's order.  Per layer, as vLLM's ``_forward_decode`` ru
   :func:`dsv4_attention.decode.forward_decode` on the real heads into the padded output;
   FlashMLA as above for the others.
 
-Both are captured whole, one CUDA graph per step.  Every layer reads its own keys: page
+Per C4A layer, both run the layer's lightning indexer first (:mod:`.model_step_indexer`:
+vLLM's pair on vLLM's path, ours on the plugin's where the table takes it).  Both are
+captured whole, one CUDA graph per step.  Every layer reads its own keys: page
 pools of 1-2 GB per key kind (far larger than the 50 MB L2, so one layer's keys are not
 the next layer's cache hits) and, per layer, its own random block tables and top-k.
 What vLLM's metadata builder computes once per step for every layer (the window rows,
@@ -82,6 +84,9 @@ class DecodeStep:
     layers: list[DecodeLayer]
     token_to_req: torch.Tensor  # [T] int32
     is_valid: torch.Tensor  # [T] bool
+    indexer: Any = None  # model_step_indexer.IndexerInputs, None: left out
+    indexer_pair: Any = None  # vLLM's staged DeepGEMM (None: ours stands in, or left out)
+    indexer_note: str = ""
 
 
 def pools(device: torch.device) -> dict[str, Any]:
@@ -165,7 +170,13 @@ def build_step(cell: DecodeCell, device: torch.device, seed: int) -> DecodeStep:
                 layer.local, token_to_req, layer.table, p["c4a"].block_size, is_valid
             )
         layers.append(layer)
-    return DecodeStep(cell, q, sink, p, layers, token_to_req, is_valid)
+    from . import model_step_indexer as mi
+
+    pair, note = mi.vllm_pair(device)
+    ix = None
+    if device.type != "cuda" or pair is not None:
+        ix = mi.build(m.kinds, R, G, C, m.topk, device, g)
+    return DecodeStep(cell, q, sink, p, layers, token_to_req, is_valid, ix, pair, note)
 
 
 def floor_bytes(step: DecodeStep) -> int:
@@ -180,7 +191,9 @@ def floor_bytes(step: DecodeStep) -> int:
         if layer.comp_indices is not None:
             sets.append((layer.comp_indices, layer.comp_lens))
         total += unique_key_bytes(*sets) + T * H * (1024 + 1024 + 4)
-    return total
+    from .model_step_indexer import floor_bytes as indexer_bytes
+
+    return total + indexer_bytes(step.indexer)
 
 
 class _FlashMLA:
@@ -260,13 +273,18 @@ def _comp_rows(layer: DecodeLayer, step: DecodeStep, ops: MetadataOps) -> tuple[
 
 def vllm_path(step: DecodeStep, ops: MetadataOps, name: str) -> StepPath:
     """vLLM's ``_forward_decode`` for every layer, one graph."""
+    from . import model_step_indexer as mi
+
     fm = _FlashMLA(step)
+    ix = mi.path(step.indexer, step.indexer_pair, ours=False)
     outs: list[torch.Tensor] = []
 
     def run() -> None:
         fm.new_step()
         outs.clear()
-        for layer in step.layers:
+        for i, layer in enumerate(step.layers):
+            if ix is not None and i in ix.runs:
+                ix.runs[i]()
             outs.append(fm(layer, *_comp_rows(layer, step, ops)))
 
     replay = capture(run, step.q.device)
@@ -275,9 +293,11 @@ def vllm_path(step: DecodeStep, ops: MetadataOps, name: str) -> StepPath:
     def poison() -> None:
         for o in outs:
             o.fill_(float("nan"))
+        if ix is not None:
+            ix.poison()
 
     every = tuple(range(len(step.layers)))
-    return StepPath(name, replay, lambda i: outs[i][:, 0, :H], poison, (), every)
+    return StepPath(name, replay, lambda i: outs[i][:, 0, :H], poison, (), every, ix)
 
 
 def plugin_path(step: DecodeStep, ops: MetadataOps, name: str) -> StepPath:
@@ -299,13 +319,19 @@ def plugin_path(step: DecodeStep, ops: MetadataOps, name: str) -> StepPath:
         torch.empty((T, hp, 512), dtype=torch.bfloat16, device=dev) if lay.kind in ours else None
         for lay in step.layers
     ]
+    from . import model_step_indexer as mi
+
     fm = _FlashMLA(step)
+    ours_indexer = step.indexer is not None and mi.plugin_runs_ours(step.indexer)
+    ix = mi.path(step.indexer, step.indexer_pair, ours=ours_indexer)
     outs: list[torch.Tensor] = []
 
     def run() -> None:
         fm.new_step()
         outs.clear()
-        for layer, out in zip(step.layers, fixed, strict=True):
+        for i, (layer, out) in enumerate(zip(step.layers, fixed, strict=True)):
+            if ix is not None and i in ix.runs:
+                ix.runs[i]()
             comp, lens = _comp_rows(layer, step, ops)
             if out is None:
                 outs.append(fm(layer, comp, lens)[:, 0])
@@ -333,9 +359,12 @@ def plugin_path(step: DecodeStep, ops: MetadataOps, name: str) -> StepPath:
     def poison() -> None:
         for o in outs:
             o.fill_(float("nan"))
+        if ix is not None:
+            ix.poison()
 
     every = tuple(range(len(step.layers)))
-    return StepPath(name, replay, lambda i: outs[i][:, :H], poison, ours, every)
+    kinds = (*ours, "indexer") if ours_indexer else ours
+    return StepPath(name, replay, lambda i: outs[i][:, :H], poison, kinds, every, ix)
 
 
 def reference_outputs(step: DecodeStep, layers: list[int], tokens: torch.Tensor) -> dict[int, Any]:
@@ -370,11 +399,16 @@ def reference_outputs(step: DecodeStep, layers: list[int], tokens: torch.Tensor)
 def checker(step: DecodeStep, path: StepPath) -> Callable[[], None]:
     """A check of ``path``'s last run: every layer fully written (no NaN after poisoning),
     the first and last layer of each kind equal to the reference on sampled tokens."""
+    from . import model_step_indexer as mi
+
     tokens = sample_tokens(step.cell.tokens, step.q.device)
     layers = step.cell.model.checked_layers()
     want = reference_outputs(step, layers, tokens)
+    check_indexer = None if step.indexer is None else mi.checker(step.indexer)
 
     def check() -> None:
+        if check_indexer is not None and path.indexer is not None:
+            check_indexer(path.indexer, f"{path.name} {step.cell.name}")
         for i in path.kept:
             assert not torch.isnan(path.outputs(i).float()).any(), (
                 f"{path.name} {step.cell.name}: layer {i} has unwritten (NaN) output"

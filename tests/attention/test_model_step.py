@@ -43,6 +43,34 @@ def test_decode_step_every_layer_equals_the_oracle(ops: object, requests: int,
             check(path.outputs(i), decode_oracle(step, i, tokens), f"{path.name} layer {i} {kind}")
 
 
+def test_decode_step_runs_each_c4a_layers_indexer(ops: object) -> None:
+    """Every C4A layer's indexer runs in each path (ours standing in for vLLM's pair on
+    a CPU) over its own pages: every row's top-k equals the float64 reference; the path's
+    check fails on an unwritten (poisoned) indexer output."""
+    from dsv4_kernels.reference import indexer as ref
+
+    step = md.build_step(md.DecodeCell(tiny_model(8), 2, 2, 300), CPU, fresh_seed())
+    ix = step.indexer
+    assert ix is not None and sorted(ix.tables) == [1, 3]
+    assert not torch.equal(ix.tables[1], ix.tables[3]), "each layer its own pages"
+    req = torch.arange(ix.rows, dtype=torch.int32) // ix.per_request
+    for path in (md.vllm_path(step, ops, "vllm"), md.plugin_path(step, ops, "ours")):
+        assert path.indexer is not None and sorted(path.indexer.runs) == [1, 3]
+        check_fn = md.checker(step, path)
+        path.poison()
+        path.run()
+        check_fn()
+        for i in (1, 3):
+            want = ref.indexer_decode_topk(ix.q, ix.weights, ix.cache, ix.lens, req,
+                                           ix.tables[i], ix.topk)  # fmt: skip
+            got = path.indexer.outs[i]
+            for t in range(ix.rows):
+                assert sorted(got[t].tolist()) == sorted(want[t].tolist()), (path.name, i, t)
+        path.poison()
+        with pytest.raises(AssertionError, match="the indexer of layer"):
+            check_fn()
+
+
 def test_decode_layers_read_their_own_keys(ops: object) -> None:
     cell = md.DecodeCell(tiny_model(8), 2, 1, 300)
     step = md.build_step(cell, CPU, fresh_seed())
