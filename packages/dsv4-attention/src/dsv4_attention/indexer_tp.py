@@ -74,7 +74,13 @@ def capturable(group: Any) -> bool:
 
 
 def read_tp(group: Any, serving: ServingConfig, device: torch.device) -> tuple[TpShare | None, str]:
-    """This rank's share of the indexer, or None with the reason it keeps the whole."""
+    """This rank's share of the indexer, or None with the reason it keeps the whole.
+
+    vLLM's TP group is the ranks that replicate this rank's indexer: under data
+    parallelism each DP rank has its own (its own batch), under pipeline parallelism
+    each stage (its own layers), so neither changes what is split; DCP (vLLM's decode
+    context parallelism shards the keys itself) and DBO (``IndexerPart.run`` declines
+    dual-batch steps) keep vLLM's indexer."""
     if group is None:
         return None, "no tensor-parallel group"
     size = int(getattr(group, "world_size", 1))
