@@ -95,10 +95,10 @@ def build(
     row = [(context - per_request + j + 1) // 4 for j in range(per_request)]
     lens = torch.tensor(row * requests, dtype=torch.int32, device=device)
     width = -(-(context // 4) // ENTRIES_PER_PAGE)
-    tables = {
+    tables = {  # each C4A layer's own pages
         i: torch.randint(
             0, cache.shape[0], (requests, width), generator=g, device=device, dtype=torch.int32
-        )  # fmt: skip
+        )
         for i, kind in enumerate(kinds)
         if kind == "c4a"
     }
@@ -197,7 +197,7 @@ def checker(ix: IndexerInputs) -> Callable[[IndexerPath, str], None]:
             req.to(torch.int32),
             ix.tables[i],
             ix.topk,
-        )  # fmt: skip
+        )
         for i in layers
     }
 
