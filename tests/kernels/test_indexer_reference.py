@@ -89,6 +89,16 @@ def _copy_entry(step, req: int, src: int, dst: int) -> None:  # type: ignore[no-
     raw[s_dst : s_dst + SCALE] = raw[s_src : s_src + SCALE].clone()
 
 
+def _tie_pick(step, req_row: int, score: float, topk: int) -> tuple[list[int], list[int]]:  # type: ignore[no-untyped-def]
+    """Row ``req_row``'s entries tied at ``score`` (ascending) and the ones a top-k that
+    takes ties lowest position first keeps of them: the random keys may already tie
+    with the k-th (fp8 codes, ``ties=``), so the count is read, not assumed."""
+    row = _oracle_scores(step)[req_row]
+    above = sum(1 for s in row if s > score)
+    tied = sorted(j for j, s in enumerate(row) if s == score)
+    return tied, tied[: max(0, topk - above)]
+
+
 def test_scores_equal_the_formula_entry_by_entry() -> None:
     seed = fresh_seed()
     g = generator(seed)
