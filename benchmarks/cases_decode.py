@@ -47,6 +47,10 @@ from .harness import FLOOR, BenchCase, Provider, Result, not_run, progress_line
 
 KERNEL = "sparse_mla_decode"
 OURS = "dsv4-kernels"
+# ours at more than 16 heads in wide blocks of 64 heads on two warpgroups (issue 41; the
+# shipped default runs them in blocks of 16): beside the default in the same run
+OURS_WIDE = "dsv4-kernels-wide64"
+WIDE_POLICY = {"WIDE_HT": 64}
 FLASHMLA = "flashmla-64h"
 VLLM_FLASHMLA = "vllm-flashmla-decode"
 SCALE = 512**-0.5
@@ -96,9 +100,10 @@ def matrix(layers: Sequence[str] = ("c4a", "c128a", "swa"), dp: bool = True) -> 
         for model, heads, topk in (("flash-tp8", 8, 512), ("pro-tp8", 16, 1024)):
             out += [DecodeShape(layer, model, heads, topk, t, 1) for t in STEPS]
             out += [DecodeShape(layer, model, heads, topk, t, 2) for t in MTP_STEPS]
-    if dp:  # DP attention: every head of V4-Flash on one GPU
+    if dp:  # DP attention: every head of V4-Flash (64) and of V4-Pro (128) on one GPU
         for layer in layers:
             out += [DecodeShape(layer, "flash-dp", 64, 512, t, 1) for t in DP_STEPS]
+            out += [DecodeShape(layer, "pro-dp", 128, 1024, t, 1) for t in DP_STEPS]
     return out
 
 
@@ -111,6 +116,7 @@ SMOKE = [
     DecodeShape("c1a", "h8", 8, 32, 2, 1),
     DecodeShape("c128a", "h8", 8, 0, 2, 1),
     DecodeShape("swa", "h16", 16, 0, 4, 2),
+    DecodeShape("c4a", "h20", 20, 64, 1, 1),  # more than 16 heads: the wide provider too
 ]
 
 
@@ -258,6 +264,17 @@ def build_cases(
 
         replay = _graph([lambda r=r: ours_call(r) for r in sets], device)
         providers = [Provider(OURS, replay, poison, check)]
+        if H > 16:  # the wide blocks, into the same outputs, checked the same way
+            wide = {**(policy or {}), **WIDE_POLICY}
+
+            def wide_call(r: Any, c: Any = case, o: torch.Tensor = out,
+                          l: torch.Tensor = lse, p: Any = wide) -> None:  # fmt: skip
+                dk.sparse_mla_decode(c.q, c.pools.swa.cache, r.swa_indices, r.swa_lens, SCALE,
+                                     scratch=scratch, out=o, lse=l, policy=p,
+                                     **c.kwargs(r))  # fmt: skip
+
+            wide_replay = _graph([lambda r=r: wide_call(r) for r in sets], device)
+            providers.append(Provider(OURS_WIDE, wide_replay, poison, check))
         if fns is not None and gpu and flashmla:
             fm = PaddedFlashMLADecode(
                 case.q, pool.swa.cache, None if pool.comp is None else pool.comp.cache, sets,
@@ -390,7 +407,10 @@ def summarise(
         if r.kernel == KERNEL:
             rows.setdefault(r.case, {})[r.provider] = r
     ran = [peer for peer in PEERS if any(peer in row for row in rows.values())]
+    wide = any(OURS_WIDE in row for row in rows.values())
     head = ["case", "layer", "heads", "tokens", "per req", "splits", "ours us"]
+    if wide:
+        head += ["ours wide-64 us", "ours / wide-64"]
     for peer in ran:
         head += [f"{COLUMNS[peer]} us", f"{COLUMNS[peer]} / ours"]
     if not smoke:
@@ -404,6 +424,9 @@ def summarise(
         p = ours.params
         cells = [case, p["layer"], p["heads"], p["tokens"], p["per_request"], p["splits"]]
         cells.append(f"{ours.p50_us:.2f}" if smoke else f"**{ours.p50_us:.2f}**")
+        if wide:
+            w = row.get(OURS_WIDE)
+            cells += [f"{w.p50_us:.2f}", f"{ours.p50_us / w.p50_us:.2f}x"] if w else ["-", "-"]
         for peer in ran:
             other = row.get(peer)
             cells += (

@@ -51,6 +51,7 @@ bytes/s against that byte count (a CPU smoke run: ns per token only).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -77,6 +78,9 @@ OURS = "dsv4-kernels"
 OURS_INDEX = "dsv4-kernels+index"
 OURS_WS = "dsv4-kernels-workspace"
 OURS_GROUPED = "dsv4-kernels-grouped+index"
+# more than 16 heads in wide blocks of 64 heads on the wgmma kernel's two warpgroups
+# (issue 41; the shipped large tiles run the Triton kernel): beside the default
+OURS_WIDE = "dsv4-kernels-wide64"
 FLASHMLA = "flashmla-64h"
 FLASHMLA_GATHER = "flashmla-64h+gather"
 VLLM_FLASHMLA = "vllm-flashmla-native"
@@ -278,6 +282,12 @@ def build_cases(
                     lambda i=inp, o=out, l=lse, g=group: i.run_paged(o, l, i.build_grouped(g)),
                 ),
             )
+        if H > 16:
+            from dsv4_kernels.sparse_mla import TILES
+
+            wide_tiles = {"large": {**TILES["large"], "KERNEL": 2, "ASYNC_PV": 1, "WIDE_HT": 64}}
+            wide = dataclasses.replace(inp, tiles=wide_tiles)
+            providers.append(ours(OURS_WIDE, lambda i=wide, o=out, l=lse: i.run_paged(o, l)))
         if fmla:
             providers += flashmla_providers(inp, want, tokens)
         if vllm_fmla:

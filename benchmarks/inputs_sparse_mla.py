@@ -57,8 +57,14 @@ MODELS = (("flash-tp8", 8, 512), ("pro-tp8", 16, 1024), ("flash-dp", 64, 512))
 # 32 local heads: V4-Pro at TP4, V4-Flash at TP2 (the bundled FlashMLA's largest small-heads
 # count on SM90)
 MODELS_32 = (("pro-tp4", 32, 1024), ("flash-tp2", 32, 512))
+# 128 local heads: V4-Pro under DP attention (issue 41)
+MODELS_128 = (("pro-dp", 128, 1024),)
 BATCHES = (("1x16384@131072", 1, 16384, 131072), ("16x1024", 16, 1024, 1024))
-MATRIX = shape_matrix(BATCHES, MODELS) + shape_matrix(BATCHES, MODELS_32)
+MATRIX = (
+    shape_matrix(BATCHES, MODELS)
+    + shape_matrix(BATCHES, MODELS_32)
+    + shape_matrix(BATCHES, MODELS_128)
+)
 # Issue 30's prefill sweep: one request's chunk of 4,096 or 16,384 tokens at 8K, 128K and
 # 1M context (``python -m benchmarks.cases_sparse_mla --matrix context``)
 CONTEXT_BATCHES = tuple(
@@ -78,6 +84,7 @@ SMOKE = [
     AttnShape("swa-h8-2x5", "swa", 2, 5, 5, 8, 0),
     AttnShape("c1a-h3-1x6@300", "c1a", 1, 6, 300, 3, 16),
     AttnShape("c2a-h8-2x4@90", "c2a", 2, 4, 90, 8, 16),
+    AttnShape("swa-h20-1x3", "swa", 1, 3, 3, 20, 0),  # more than 16 heads: the wide provider
 ]
 
 

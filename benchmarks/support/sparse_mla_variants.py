@@ -26,6 +26,12 @@ VARIANTS: dict[str, list[tuple[str, dict[str, int]]]] = {
     "large": [
         ("old-default", OLD_LARGE),
         ("old-words", {**OLD_LARGE, "ASM": 1}),
+        # the Gluon wgmma kernel in wide head blocks (issue 41): two warpgroups, each key
+        # tile dequantised once per block of 32 or 64 heads, S^T's heads and O^T's 512
+        # columns shared between the warpgroups
+        ("wgmma-wide64", {**OLD_LARGE, "KERNEL": 2, "ASYNC_PV": 1, "WIDE_HT": 64}),
+        ("wgmma-wide32", {**OLD_LARGE, "KERNEL": 2, "ASYNC_PV": 1, "WIDE_HT": 32}),
+        ("wgmma-wide64-sync", {**OLD_LARGE, "KERNEL": 2, "ASYNC_PV": 0, "WIDE_HT": 64}),
     ],
 }
 # The bf16 workspace path (the sweep's first case only).

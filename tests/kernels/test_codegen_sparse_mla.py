@@ -41,3 +41,16 @@ def test_wgmma_kernel_builds_for_sm90(case: str, group: int) -> None:
         if "flash" in case:
             assert row["registers"] <= 168, row
     assert row["sass_instructions"] > 1000, row
+
+
+# DP attention's 64 heads in wide blocks on two warpgroups (issue 41; off by default,
+# where the Triton kernel runs): the per-token kernel with its heads in blocks
+@pytest.mark.parametrize("variant", ["wgmma-wide32", "wgmma-wide64"])
+def test_wide_head_blocks_build_for_sm90(variant: str) -> None:
+    out = run_module(
+        "benchmarks.support.compile_sm90", "--case", "swa-flash-dp-1x16384", "--variants", variant
+    )
+    (row,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert row["kernel"] == "_sparse_mla_wgmma_kernel", row
+    assert row["stack_bytes"] == 0 and row["local_stores"] == 0, row
+    assert row["sass_instructions"] > 1000, row

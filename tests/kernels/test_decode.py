@@ -151,7 +151,8 @@ def test_split_policy_by_argument_leaves_the_defaults_alone(kernel_device: torch
     check(c[0], c[1], oracle(case.q, case.sources(), SCALE, case.sink))
     assert before == dec.DECODE_TILES
     for bad, match in (({"SPLITS": 2}, "unknown entries"), ({"NOSPLIT_DIV": -1}, "NOSPLIT_DIV"),
-                       ({"NOSPLIT_DIV": 1.5}, "NOSPLIT_DIV"), ([1], "mapping")):  # fmt: skip
+                       ({"NOSPLIT_DIV": 1.5}, "NOSPLIT_DIV"), ([1], "mapping"),
+                       ({"WIDE_HT": 48}, r"WIDE_HT.*\(0, 32, 64\).*48")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             dk.sparse_mla_decode(*args, scratch=scratch, policy=bad, **case.kwargs(r))  # type: ignore[arg-type]
 

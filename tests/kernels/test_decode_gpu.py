@@ -33,7 +33,7 @@ def _pools(layer: str, gpu: torch.device) -> td.DecodePools:
 def _case(layer: str, tokens: int, per_request: int, heads: int, gpu: torch.device,
           **options: object) -> td.DecodeCase:  # fmt: skip
     g = torch.Generator(device=gpu).manual_seed(fresh_seed())
-    topk = 1024 if heads == 16 else 512
+    topk = 1024 if heads in (16, 128) else 512  # V4-Pro at TP8 and DP
     return td.make_decode_case(
         layer,
         tokens // per_request,
@@ -57,8 +57,8 @@ V1 = {"PDL": 0, "HEAD_BLOCKS": 0}
 
 def _scratch(gpu: torch.device) -> dk.DecodeScratch:
     if "s" not in _SCRATCH:
-        sizes = dk.decode_scratch_sizes(1024, 64, 128 + 1024, gpu)
-        sizes = dk.DecodeScratchSizes(max(sizes.partial_rows, 256 * 8), 64, 1024)
+        sizes = dk.decode_scratch_sizes(1024, 128, 128 + 1024, gpu)
+        sizes = dk.DecodeScratchSizes(max(sizes.partial_rows, 256 * 8), 128, 1024)
         _SCRATCH["s"] = dk.make_decode_scratch(sizes, gpu)
     return _SCRATCH["s"]
 
@@ -89,7 +89,7 @@ def _sample_check(case: td.DecodeCase, out: torch.Tensor, lse: torch.Tensor) -> 
 
 
 @pytest.mark.parametrize("layer", ["c4a", "c128a", "swa", "c1a", "c2a"])
-@pytest.mark.parametrize("heads", [8, 16, 3, 64])
+@pytest.mark.parametrize("heads", [8, 16, 3, 32, 64, 128])
 @pytest.mark.parametrize("tokens,per_request", [(1, 1), (4, 4), (32, 2), (256, 1), (48, 3)])
 def test_decode_matrix(layer: str, heads: int, tokens: int, per_request: int,
                        gpu: torch.device) -> None:  # fmt: skip
@@ -108,6 +108,11 @@ def test_decode_matrix(layer: str, heads: int, tokens: int, per_request: int,
     if heads > 16:  # the launcher's own choice: the wgmma kernel in blocks of 16 heads
         assert _paged_keys.wgmma_runs(case.q, _paged_keys.tiles_for(16), True, True, split=True,
                                       head_blocks=True)  # fmt: skip
+        for wide in (32, 64):  # issue 41's wide blocks on two warpgroups (off by default)
+            for splits in (None, 1, 3):
+                out, lse = _call(case, gpu, splits, policy={"WIDE_HT": wide})
+                _sample_check(case, out, lse)
+        assert not _paged_keys.SPLIT_BROKEN, _paged_keys.SPLIT_BROKEN
 
 
 @pytest.mark.parametrize("policy", [None, V1], ids=["defaults", "v1"])

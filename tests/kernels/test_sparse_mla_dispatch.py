@@ -206,3 +206,79 @@ def test_whole_vectors_of_q_and_out() -> None:
     assert not pk.whole_vectors(x, wide[..., 1:513])  # base 2 bytes past a vector
     one_head = torch.empty(4, 1, 512, dtype=torch.bfloat16).expand(4, 1, 512)
     assert pk.whole_vectors(one_head)
+
+
+class _Capturing:
+    """A Gluon kernel whose launches record their grid and keyword arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[tuple[int, ...], dict[str, object]]] = []
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(*args: object, **kwargs: object) -> None:
+            self.calls.append((grid, kwargs))
+
+        return launch
+
+
+def test_wide_head_blocks_only_where_the_tiles_name_them(
+    hopper: pytest.MonkeyPatch,
+) -> None:
+    """More than 16 heads take the per-token wgmma kernel only with ``WIDE_HT`` tiles
+    (issue 41; the shipped large tiles keep the Triton kernel): one program per (token,
+    block of WIDE_HT heads), two warpgroups, K from shared memory; a block size the kernel
+    has no layout for is refused by name before anything launches."""
+    wide = {**sm.TILES["large"], "KERNEL": 2, "WIDE_HT": 64}
+    for heads in (17, 64, 128):
+        assert pk.wgmma_runs(_CudaLike(heads), wide, True, True)
+        assert not pk.wgmma_runs(_CudaLike(heads), {**wide, "WIDE_HT": 0}, True, True)
+        assert not pk.wgmma_runs(_CudaLike(heads), sm.TILES["large"], True, True)
+        assert not pk.wgmma_runs(_CudaLike(heads), wide, True, False)  # unaligned rows
+    kernel = _Capturing()
+    fake = types.ModuleType("dsv4_kernels._gluon_sparse_mla")
+    fake._sparse_mla_wgmma_kernel = kernel  # type: ignore[attr-defined]
+    fake.compiled_variants = lambda: 1  # type: ignore[attr-defined]
+    hopper.setitem(sys.modules, "dsv4_kernels._gluon_sparse_mla", fake)
+    import dsv4_kernels
+
+    hopper.setattr(dsv4_kernels, "_gluon_sparse_mla", fake, raising=False)
+    q = torch.empty(4, 128, 512, dtype=torch.bfloat16)
+    assert pk.launch_wgmma(4, 128, (q, q), {}, {**wide, "REG_A": 1})
+    (grid, kw), = kernel.calls  # fmt: skip
+    assert grid == (8,)
+    assert (kw["HT"], kw["WG"], kw["HBLOCKS"], kw["num_warps"], kw["REG_A"]) == (64, 2, 2, 8, False)
+    assert pk.launch_wgmma(4, 8, (q[:, :8], q[:, :8]), {}, WGMMA)  # TP8: one block, one group
+    assert (kernel.calls[-1][1]["WG"], kernel.calls[-1][1]["HBLOCKS"]) == (1, 1)
+    with pytest.raises(ValueError, match=r"tiles\['large'\]\['WIDE_HT'\] must be 32 or 64"):
+        pk.launch_wgmma(4, 128, (q, q), {}, {**wide, "WIDE_HT": 48})
+    assert len(kernel.calls) == 2
+
+
+def test_the_decode_split_kernel_in_wide_blocks(hopper: pytest.MonkeyPatch) -> None:
+    """The decode's ``WIDE_HT`` policy: one program per (token, chunk, block of WIDE_HT
+    heads) on two warpgroups, also when ``HEAD_BLOCKS`` is off; 16-head blocks without it."""
+    import dsv4_kernels
+    from dsv4_kernels import _triton_decode
+    from dsv4_kernels.geometry import page_stride_bytes
+
+    kernel = _Capturing()
+    fake = types.ModuleType("dsv4_kernels._gluon_decode")
+    fake._decode_split_wgmma_kernel = kernel  # type: ignore[attr-defined]
+    fake.compiled_variants = lambda: 1  # type: ignore[attr-defined]
+    hopper.setitem(sys.modules, "dsv4_kernels._gluon_decode", fake)
+    hopper.setattr(dsv4_kernels, "_gluon_decode", fake, raising=False)
+    hopper.setattr(pk, "SPLIT_BROKEN", [])
+    hopper.setattr(sm, "_hopper_runs_wgmma", lambda device: True)
+    triton_split = _Recording()
+    hopper.setattr(_triton_decode, "_decode_split_kernel", triton_split)
+    cache = torch.zeros(2, page_stride_bytes(64), dtype=torch.uint8)
+    rows = torch.zeros(2, 64, dtype=torch.int32)
+    keys = pk.check_paged_keys(cache, rows, None, 64, None, None, None, None, 2, cache.device)
+    q = torch.zeros(2, 128, 512, dtype=torch.bfloat16)
+    po, plse = torch.empty(6, 128, 512), torch.empty(6, 128)
+    pk.launch_split(q, po, plse, keys, scale=0.04, splits=3, chunk=64, wide=64)
+    pk.launch_split(q, po, plse, keys, scale=0.04, splits=3, chunk=64, head_blocks=True)
+    (g1, k1), (g2, k2) = kernel.calls
+    assert (g1, k1["HT"], k1["WG"], k1["num_warps"]) == ((2 * 3 * 2,), 64, 2, 8)
+    assert (g2, k2["HT"], k2["WG"], k2["num_warps"]) == ((2 * 3 * 8,), 16, 1, 4)
+    assert triton_split.launches == 0

@@ -333,6 +333,32 @@ def test_wgmma_kernel_matches_reference_and_triton(
     cs.assert_close_attention((out, lse), (t_out, t_lse), f"wgmma vs Triton, seed {seed}")
 
 
+@pytest.mark.parametrize("heads", [17, 32, 64, 100, 128])
+@pytest.mark.parametrize("layer", ["c4a", "c128a", "swa"])
+@pytest.mark.parametrize("wide", [32, 64])
+@pytest.mark.parametrize("async_pv", [0, 1])
+def test_wide_head_blocks_match_reference_and_triton(
+    heads: int, layer: str, wide: int, async_pv: int, gpu: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """DP attention's heads in wide blocks on two warpgroups (``WIDE_HT`` tiles, issue 41;
+    uneven last blocks at 17 and 100 heads) against the float32 reference on a sample
+    and the Triton kernel (the shipped large tiles) on every element."""
+    from dsv4_kernels import _paged_keys as pk
+
+    if torch.cuda.get_device_capability(gpu)[0] != 9:
+        pytest.skip("the wgmma kernel is for compute capability 9.x (Hopper)")
+    seed = fresh_seed()
+    inp = cs.make_inputs(_shape(layer, heads, topk=1024 if heads == 128 else 512), gpu, seed)
+    t_out, t_lse = _outputs(inp)
+    inp.run_paged(t_out, t_lse)  # the shipped large tiles: the Triton kernel
+    wg = {**pk.TILES["large"], "KERNEL": 2, "ASYNC_PV": async_pv, "WIDE_HT": wide}
+    monkeypatch.setattr(pk, "TILES", {**pk.TILES, "large": wg})
+    assert pk.wgmma_runs(inp.q, wg, True, True), "the wide wgmma kernel would not run here"
+    out, lse = _paged_against_reference(inp, gpu, f"wide {wide}, seed {seed}")
+    cs.assert_close_attention((out, lse), (t_out, t_lse), f"wide vs Triton, seed {seed}")
+
+
 def _semantic_cases() -> list[tuple[str, object, tuple]]:
     """The CPU suite's semantic tests (holes, lengths, slots past the cache, rows without
     keys, sinks, block-outer views, the float64 spec oracle) as (name, test, extra args)."""

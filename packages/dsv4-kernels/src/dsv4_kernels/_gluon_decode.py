@@ -28,8 +28,6 @@ from triton.experimental.gluon import language as gl
 from ._gluon_sparse_mla import (
     BN,
     L_CODE_REG_A,
-    L_CODE_ROWS,
-    L_ROPE_ROWS,
     _attend_source,
     _gather,
     _rows,
@@ -61,14 +59,25 @@ def _decode_split_wgmma_kernel(
     A_SLOTS: gl.constexpr, A_HAS_LENS: gl.constexpr, HAS_B: gl.constexpr,
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr,
     HT: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
-    PDL: gl.constexpr,
+    PDL: gl.constexpr, WG: gl.constexpr = 1,
 ):  # fmt: skip
     HP: gl.constexpr = HT
-    L_CODE: gl.constexpr = L_CODE_REG_A if REG_A else L_CODE_ROWS
-    L_ROPE: gl.constexpr = L_CODE_REG_A if REG_A else L_ROPE_ROWS
-    L_OUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [4, 1], [0, 1])
+    W: gl.constexpr = 4 * WG  # warps
+    L_CODE: gl.constexpr = (
+        L_CODE_REG_A if REG_A else gl.BlockedLayout([1, 16], [8, 4], [W, 1], [1, 0])
+    )
+    L_ROPE: gl.constexpr = (
+        L_CODE_REG_A if REG_A else gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+    )
+    L_QW: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [W, 1], [1, 0])
+    L_OUT: gl.constexpr = gl.BlockedLayout([4 // WG, 1], [32, 1], [W, 1], [0, 1])
+    # S^T [keys, heads]: each warpgroup its share of the heads; O^T [512, heads]: each
+    # warpgroup its share of the 512 output columns (all of both with one warpgroup)
     L_MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16]
+        version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, HP // WG, 16]
+    )
+    L_ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, HP, 16]
     )
     k_smem, q_smem, p_smem = _shared_buffers(HP)
     pid = gl.program_id(0)
@@ -96,11 +105,11 @@ def _decode_split_wgmma_kernel(
         if B_HAS_LENS:
             b_len = gl.load(b_len_ptr + t)
     _stage_q(q_smem, q_ptr + h0.to(gl.int64) * q_stride_h, t, t + 1, heads_here, q_stride_t,
-             q_stride_h, HP, HT, REG_A, IO_VEC)  # fmt: skip
+             q_stride_h, HP, HT, REG_A, IO_VEC, L_QW)  # fmt: skip
 
     m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))
-    acc = gl.zeros([HEAD_DIM, HP], gl.float32, layout=L_MMA)
+    acc = gl.zeros([HEAD_DIM, HP], gl.float32, layout=L_ACC)
     n = gl.arange(0, BN, layout=gl.SliceLayout(1, L_CODE))
     if A_HAS_LENS:  # the columns past the token's length are not keys
         a0, a1 = _clip(lo, hi, 0, gl.maximum(gl.minimum(a_len, a_width), 0))
@@ -108,7 +117,7 @@ def _decode_split_wgmma_kernel(
     acc, m_i, l_i = _attend_source(
         acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_idx_ptr + t * a_idx_stride,
         a0, a1, a1, a1, a_row_stride, a_num_rows, qk_scale, a_ok, a_data, a_scales, A_SLOTS,
-        BN, HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
+        BN, HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False, L_ACC,
     )  # fmt: skip
     if HAS_B:
         if B_HAS_LENS:
@@ -117,7 +126,7 @@ def _decode_split_wgmma_kernel(
         acc, m_i, l_i = _attend_source(
             acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_idx_ptr + t * b_idx_stride,
             b0, b1, b1, b1, b_row_stride, b_num_rows, qk_scale, b_ok, b_data, b_scales, B_SLOTS,
-            BN, HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
+            BN, HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False, L_ACC,
         )  # fmt: skip
 
     _ts, hs, row_ok = _rows(t, t + 1, heads_here, HP, HT, gl.SliceLayout(0, L_MMA))
@@ -127,6 +136,7 @@ def _decode_split_wgmma_kernel(
     factor = gl.where(has_key, 1.0 / l_safe, 0.0)
     prow = row.to(gl.int64) * num_heads + h0
     gl.store(plse_ptr + prow + hs, lse2, mask=row_ok)
+    factor = gl.convert_layout(factor, gl.SliceLayout(0, L_ACC))
     o = gl.convert_layout(acc * gl.expand_dims(factor, 0), L_OUT)
     do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, L_OUT))
     _to, ho, o_ok = _rows(t, t + 1, heads_here, HP, HT, gl.SliceLayout(0, L_OUT))

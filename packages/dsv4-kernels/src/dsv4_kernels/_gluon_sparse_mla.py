@@ -59,9 +59,9 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # Keys per tile: wgmma's M.
 BN = gl.constexpr(64)
 # The gathered tile's registers: 16-byte rows of FP8 codes and bf16 values, 4 threads
-# per 64-column block (``L_CODE_ROWS``, ``L_ROPE_ROWS``); with REG_A rows as wgmma's
-# accumulator rows, so the codes' registers relabel as its A operand (the rope takes
-# the same layout).
+# per 64-column block (the kernels' ``L_CODE`` and ``L_ROPE``, made for their warp
+# count, as q's ``L_QW``); with REG_A rows as wgmma's accumulator rows, so the codes'
+# registers relabel as its A operand (the rope takes the same layout).
 L_CODE_REG_A = gl.constexpr(
     gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
@@ -71,9 +71,6 @@ L_CODE_REG_A = gl.constexpr(
         shape=[64, 64],
     )
 )
-L_CODE_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
-L_ROPE_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
-L_Q = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]))  # q's rows as loaded
 
 
 @gluon.jit
@@ -203,13 +200,17 @@ def _attend_source(
     ASYNC_PV: gl.constexpr,
     REG_A: gl.constexpr,
     PER_ROW: gl.constexpr,
+    L_ACC: gl.constexpr,
 ):
     """Online softmax over columns ``lo .. length`` of one key source (tiles of ``BN``
     keys), from the first tile's index entries as :func:`_gather` returns them (``ok``,
     ``data``, ``scales`` of columns ``lo .. lo + BN``: the caller issues that load, as
     early as it can).  With ``PER_ROW`` column ``j`` counts for row ``r`` (a token's head)
     only where ``row_lo[r] <= j < row_hi[r]``.  With ``ASYNC_PV`` the ``P V`` product of a
-    tile runs while the next tile's bytes are loaded."""
+    tile runs while the next tile's bytes are loaded.  ``L_MMA`` is the layout of ``S^T``
+    and ``L_ACC`` that of the accumulator ``O^T`` (the same with one warpgroup; with two,
+    :mod:`._gluon_decode`'s wide head blocks, ``S^T`` splits the heads between them and
+    ``O^T`` the 512 output columns)."""
     if ASYNC_PV:  # the loop carries the accumulator of an MMA in flight
         acc = warpgroup_mma_init(acc)
     for start in range(lo, length, BN):
@@ -267,7 +268,7 @@ def _attend_source(
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - gl.expand_dims(m_use, 0))
         l_i = l_i * alpha + gl.sum(p, axis=0)
-        acc = acc * gl.expand_dims(alpha, 0)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, L_ACC)), 0)
         p_smem.store(gl.permute(p.to(gl.bfloat16), (1, 0)))
         fence_async_shared()
         _cta_barrier()
@@ -313,14 +314,16 @@ def _shared_buffers(HP: gl.constexpr):
 def _stage_q(
     q_smem, q_ptr, first, end, num_heads, q_stride_t, q_stride_h,
     HP: gl.constexpr, HT: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
+    L_QW: gl.constexpr,
 ):  # fmt: skip
     """Store the q rows of tokens ``[first, end)`` (:func:`_rows`; 0 on padded rows) to
-    ``q_smem``, fenced for wgmma and with every thread past the store."""
-    tq, hq, q_ok = _rows(first, end, num_heads, HP, HT, gl.SliceLayout(1, L_Q))
+    ``q_smem``, fenced for wgmma and with every thread past the store; ``L_QW``: q's
+    register layout as loaded (16-byte rows, one warp a row, each warp its rows)."""
+    tq, hq, q_ok = _rows(first, end, num_heads, HP, HT, gl.SliceLayout(1, L_QW))
     q_row = tq * q_stride_t + hq.to(gl.int64) * q_stride_h
     if IO_VEC:  # strides of whole 16-byte vectors (the launcher checked): 16-byte accesses
         q_row = gl.multiple_of(q_row, 8)
-    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, L_Q))
+    dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, L_QW))
     q = gl.load(
         q_ptr + gl.expand_dims(q_row, 1) + gl.expand_dims(dq, 0),
         mask=gl.expand_dims(q_ok, 1),
@@ -362,29 +365,50 @@ def _sparse_mla_wgmma_kernel(
     B_SLOTS: gl.constexpr, B_HAS_LENS: gl.constexpr, HAS_SINK: gl.constexpr,
     HT: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
     G: gl.constexpr = 1, A_HAS_STARTS: gl.constexpr = False,
-    B_HAS_STARTS: gl.constexpr = False,
+    B_HAS_STARTS: gl.constexpr = False, WG: gl.constexpr = 1, HBLOCKS: gl.constexpr = 1,
 ):  # fmt: skip
     """One program per query token (``G == 1``) or per ``G`` consecutive tokens that share
     key rows: token ``t`` reads the rows of token ``lead_ptr[t]`` (its leader, at or
     after ``t``'s group's first token), columns ``[start[t], start[t] + len[t])``, so
     each key is loaded and dequantised once for all of them.  MMA rows: ``G`` tokens x
-    ``HT`` heads."""
+    ``HT`` heads.  ``HBLOCKS`` > 1 (``G == 1``): one program per (token, block of ``HT``
+    heads), the block fastest; ``WG == 2``: two warpgroups (wide blocks of 32 or 64
+    heads, DP attention: ``S^T`` splits the heads between them, ``O^T`` the 512 output
+    columns; each key tile is dequantised once for the block)."""
     HP: gl.constexpr = G * HT
-    L_CODE: gl.constexpr = L_CODE_REG_A if REG_A else L_CODE_ROWS
-    L_ROPE: gl.constexpr = L_CODE_REG_A if REG_A else L_ROPE_ROWS
-    L_OUT: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [4, 1], [0, 1])
+    W: gl.constexpr = 4 * WG  # warps
+    L_CODE: gl.constexpr = (
+        L_CODE_REG_A if REG_A else gl.BlockedLayout([1, 16], [8, 4], [W, 1], [1, 0])
+    )
+    L_ROPE: gl.constexpr = (
+        L_CODE_REG_A if REG_A else gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+    )
+    L_QW: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [W, 1], [1, 0])
+    L_OUT: gl.constexpr = gl.BlockedLayout([8 // WG, 1], [32, 1], [W, 1], [0, 1])
     L_MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HP, 16]
+        version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, HP // WG, 16]
+    )
+    L_ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, HP, 16]
     )
     k_smem, q_smem, p_smem = _shared_buffers(HP)
     pid = gl.program_id(0)
+    if HBLOCKS > 1:  # this program's heads: its block's, as if the call had only those
+        h0 = (pid % HBLOCKS) * HT
+        pid = pid // HBLOCKS
+        q_ptr = q_ptr + h0.to(gl.int64) * q_stride_h
+        out_ptr = out_ptr + h0.to(gl.int64) * out_stride_h
+        lse_ptr = lse_ptr + h0
+        sink_ptr = sink_ptr + h0
+        num_heads = gl.minimum(num_heads - h0, HT)
     first = pid.to(gl.int64) * G
     end = gl.minimum(first + G, num_tokens)
-    _stage_q(q_smem, q_ptr, first, end, num_heads, q_stride_t, q_stride_h, HP, HT, REG_A, IO_VEC)
+    _stage_q(q_smem, q_ptr, first, end, num_heads, q_stride_t, q_stride_h, HP, HT, REG_A, IO_VEC,
+             L_QW)  # fmt: skip
 
     m_i = gl.full([HP], float("-inf"), gl.float32, layout=gl.SliceLayout(0, L_MMA))
     l_i = gl.zeros([HP], gl.float32, layout=gl.SliceLayout(0, L_MMA))
-    acc = gl.zeros([HEAD_DIM, HP], gl.float32, layout=L_MMA)
+    acc = gl.zeros([HEAD_DIM, HP], gl.float32, layout=L_ACC)
 
     if G == 1:  # one token: its length (scalars only; nothing more lives across the loop)
         a_end = a_width
@@ -396,7 +420,7 @@ def _sparse_mla_wgmma_kernel(
         acc, m_i, l_i = _attend_source(
             acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_row, 0, a_end, a_end, a_end,
             a_row_stride, a_num_rows, qk_scale, ok, data, scales, A_SLOTS, BN, HP, L_CODE,
-            L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
+            L_ROPE, L_MMA, ASYNC_PV, REG_A, False, L_ACC,
         )  # fmt: skip
         if HAS_B:
             b_end = b_width
@@ -408,7 +432,7 @@ def _sparse_mla_wgmma_kernel(
             acc, m_i, l_i = _attend_source(
                 acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_row, 0, b_end, b_end, b_end,
                 b_row_stride, b_num_rows, qk_scale, ok, data, scales, B_SLOTS, BN, HP,
-                L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False,
+                L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False, L_ACC,
             )  # fmt: skip
     else:
         # One pass per leader among the group's tokens (one, unless a request starts
@@ -431,7 +455,7 @@ def _sparse_mla_wgmma_kernel(
                 acc, m_i, l_i = _attend_source(
                     acc, m_i, l_i, q_smem, k_smem, p_smem, a_src_ptr, a_row, a0, a1, a_lo,
                     a_hi, a_row_stride, a_num_rows, qk_scale, ok, data, scales, A_SLOTS, BN,
-                    HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, True,
+                    HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, True, L_ACC,
                 )  # fmt: skip
                 if HAS_B:
                     b_lo, b_hi = _row_range(b_len_ptr, b_start_ptr, b_width, ts, mine,
@@ -444,7 +468,7 @@ def _sparse_mla_wgmma_kernel(
                     acc, m_i, l_i = _attend_source(
                         acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_row, b0, b1, b_lo,
                         b_hi, b_row_stride, b_num_rows, qk_scale, ok, data, scales, B_SLOTS,
-                        BN, HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, True,
+                        BN, HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, True, L_ACC,
                     )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453
@@ -459,6 +483,7 @@ def _sparse_mla_wgmma_kernel(
         factor = factor / (1.0 + gl.exp2(sink * LOG2E - lse2))
     lse = gl.where(has_key, lse2 * LN2, float("-inf"))
     gl.store(lse_ptr + ts * lse_stride_t + hs, lse, mask=row_ok)
+    factor = gl.convert_layout(factor, gl.SliceLayout(0, L_ACC))
     o = gl.convert_layout((acc * gl.expand_dims(factor, 0)).to(gl.bfloat16), L_OUT)
     do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, L_OUT))
     to, ho, o_ok = _rows(first, end, num_heads, HP, HT, gl.SliceLayout(0, L_OUT))

@@ -198,13 +198,16 @@ def wgmma_runs(
     unless it failed to build here).  Both need FP8 pages with 16-byte aligned rows, a
     CUDA device of compute capability 9.x and a Triton with Gluon's Hopper API that has
     not failed to build the per-token kernel, and up to 16 heads, except the split launch
-    with ``head_blocks`` (more heads in blocks of 16)."""
+    with ``head_blocks`` (more heads in blocks of 16, or of its ``wide`` heads) and the
+    per-token launch whose ``tiles`` give ``WIDE_HT`` (more heads in blocks of that many
+    on two warpgroups)."""
     if split:
         if SPLIT_BROKEN:
             return False
     elif tiles.get("KERNEL", 0) != 2:
         return False
-    if not paged or not aligned or (q.shape[1] > WGMMA_MAX_HEADS and not (split and head_blocks)):
+    blocks = head_blocks if split else bool(tiles.get("WIDE_HT", 0))
+    if not paged or not aligned or (q.shape[1] > WGMMA_MAX_HEADS and not blocks):
         return False
     return bool(_wgmma_state()._hopper_runs_wgmma(q.device))
 
@@ -313,7 +316,9 @@ def launch(
     )
     sources = dict(**_source_meta(keys), HAS_SINK=sink is not None)
     aligned = keys.aligned
-    fits = grouping is None or (grouping[1] > 1 and group_rows(H, grouping[1]) <= MAX_GROUP_ROWS)
+    fits = grouping is None or (
+        grouping[1] > 1 and H <= WGMMA_MAX_HEADS and group_rows(H, grouping[1]) <= MAX_GROUP_ROWS
+    )
     if (
         fits
         and wgmma_runs(q, cfg, keys.paged, aligned)
@@ -366,7 +371,13 @@ def launch_wgmma(
 
     hp = 8 if H <= 8 else 16
     nreg = tiles.get("MAXNREG") or (tiles.get("MAXNREG_H8") if hp == 8 else None)
-    grid = T
+    wg, blocks = 1, 1
+    if H > WGMMA_MAX_HEADS:  # wide blocks (wgmma_runs checked WIDE_HT), one token a row
+        hp, wg, nreg = tiles["WIDE_HT"], 2, None
+        if hp not in (32, 64):
+            raise ValueError(f"tiles['large']['WIDE_HT'] must be 32 or 64 heads, got {hp}")
+        blocks = triton.cdiv(H, hp)
+    grid = T * blocks
     unused = args[5] if len(args) > 5 else q  # any tensor for the unused pointers
     extra: tuple[Any, ...] = (unused, unused, unused)
     group_meta: dict[str, Any] = {}
@@ -385,13 +396,16 @@ def launch_wgmma(
             **group_meta,
             HT=hp,
             ASYNC_PV=bool(tiles.get("ASYNC_PV", 0)),
-            REG_A=bool(
+            REG_A=wg == 1
+            and bool(
                 tiles.get("REG_A_G", 0)
                 if grouping is not None
                 else tiles.get("REG_A", tiles.get("REG_A_H8", 0) if hp == 8 else 0)
             ),
             IO_VEC=bool(tiles.get("IO_VEC", 1)) and whole_vectors(q, out),
-            num_warps=4,
+            WG=wg,
+            HBLOCKS=blocks,
+            num_warps=4 * wg,
             **({"maxnreg": nreg} if nreg else {}),
         )
 
@@ -410,13 +424,15 @@ def launch_split(
     chunk: int,
     head_blocks: bool = False,
     pdl: bool = False,
+    wide: int = 0,
 ) -> None:
     """The decode's split kernels (inputs already validated): one program per (token,
     chunk, head block) writing the chunk's partial output ``po`` and base-2 lse
     ``plse``; the wgmma kernel where :func:`wgmma_runs` (``split``; ``head_blocks``:
-    more than 16 heads in blocks of 16), else the Triton kernel.  ``pdl``: each
-    program signals, once its partial is stored, that a programmatic dependent launch
-    (the combine) may start."""
+    more than 16 heads in blocks of 16, or of ``wide`` heads (32 or 64) on two
+    warpgroups that dequantise each key tile once for the whole block), else the
+    Triton kernel.  ``pdl``: each program signals, once its partial is stored, that a
+    programmatic dependent launch (the combine) may start."""
     T, H, _ = q.shape
     a, b = _sources(keys)
     args = (
@@ -427,10 +443,13 @@ def launch_split(
     sources = _source_meta(keys)
     tiles = tiles_for(H)
     aligned = keys.aligned
-    if wgmma_runs(q, tiles, True, aligned, split=True, head_blocks=head_blocks):
+    if wgmma_runs(q, tiles, True, aligned, split=True, head_blocks=head_blocks or bool(wide)):
         from . import _gluon_decode as g
 
         hp = 8 if H <= 8 else 16
+        wg = 1
+        if H > WGMMA_MAX_HEADS and wide:
+            hp, wg = wide, 2
         wt = tiles_for(min(H, WGMMA_MAX_HEADS))  # a head block's tiles
         nreg = wt.get("MAXNREG_H8") if hp == 8 else None
         blocks = triton.cdiv(H, hp)
@@ -439,7 +458,7 @@ def launch_split(
             g._decode_split_wgmma_kernel[(T * splits * blocks,)](
                 *args, blocks, **sources, HT=hp, ASYNC_PV=bool(wt.get("ASYNC_PV", 0)),
                 REG_A=bool(wt.get("REG_A_H8", 0)) and hp == 8, IO_VEC=whole_vectors(q, q),
-                PDL=pdl, num_warps=4,
+                PDL=pdl, WG=wg, num_warps=4 * wg,
                 **({"maxnreg": nreg} if nreg else {}),
             )  # fmt: skip
 

@@ -71,7 +71,10 @@ __all__ = [
 # ``HEAD_BLOCKS`` (1) runs more than 16 heads (DP attention) on the wgmma split kernel in
 # blocks of 16 heads (0: the Triton kernel); ``PDL`` (1) launches the combine as a
 # programmatic dependent of the split kernel, whose programs signal once their partial is
-# stored (Hopper and later; not the interpreter).
+# stored (Hopper and later; not the interpreter).  ``WIDE_HT`` (0: off; 32 or 64) runs
+# more than 16 heads in blocks of that many heads on two warpgroups instead, each key
+# tile dequantised once per block (issue 41): built and checked for sm_90 offline, off
+# until an H200 run measures it against the 16-head blocks and FlashMLA.
 DECODE_TILES: dict[str, int] = dict(
     TILE_KEYS=64,
     PROGRAMS_PER_SM_H8=3,
@@ -84,7 +87,10 @@ DECODE_TILES: dict[str, int] = dict(
     COMBINE_SPLITS=32,
     HEAD_BLOCKS=1,
     PDL=1,
+    WIDE_HT=0,
 )
+
+WIDE_HEAD_BLOCKS = (0, 32, 64)  # the values DECODE_TILES["WIDE_HT"] takes
 
 
 DecodePolicy = Mapping[str, int]
@@ -107,6 +113,11 @@ def _policy(policy: DecodePolicy | None) -> Mapping[str, int]:
     for key, value in policy.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"policy[{key!r}] must be an int >= 0, got {value!r}")
+    if policy.get("WIDE_HT", 0) not in WIDE_HEAD_BLOCKS:
+        raise ValueError(
+            f"policy['WIDE_HT'] must be one of {WIDE_HEAD_BLOCKS} (heads per wide block), "
+            f"got {policy['WIDE_HT']!r}"
+        )
     return {**DECODE_TILES, **policy}
 
 
@@ -359,7 +370,7 @@ def sparse_mla_decode(
     plse = scratch.partial_lse[: rows * H].view(rows, H)
     pdl = bool(cfg["PDL"]) and _pdl_runs(device)
     launch_split(q, po, plse, keys, scale=scale, splits=splits, chunk=chunk,
-                 head_blocks=bool(cfg["HEAD_BLOCKS"]), pdl=pdl)  # fmt: skip
+                 head_blocks=bool(cfg["HEAD_BLOCKS"]), pdl=pdl, wide=cfg["WIDE_HT"])  # fmt: skip
     _k._decode_combine_kernel[(T * H,)](
         po, plse, out, lse, sink if sink is not None else plse, H, splits, out.stride(0),
         out.stride(1), lse.stride(0), HAS_SINK=sink is not None,
