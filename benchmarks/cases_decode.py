@@ -416,7 +416,7 @@ def summarise(
     if not smoke:
         head += ["floor us", "ours / floor"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    groups: dict[tuple[str, int], dict[str, Any]] = {}
+    groups: dict[tuple[str, int, str], dict[str, Any]] = {}
     for case, row in rows.items():
         ours = row.get(OURS)
         if ours is None:
@@ -441,10 +441,13 @@ def summarise(
         fm = row.get(FLASHMLA)
         if fm is None:
             continue
-        grp = groups.setdefault((p["layer"], p["heads"]), {"steps": {}, "mtp": {}})
-        grp["mtp" if p["per_request"] > 1 else "steps"][p["tokens"]] = round(
-            fm.p50_us / ours.p50_us, 3
-        )
+        for variant, mine in (("", ours), ("/wide64", row.get(OURS_WIDE))):
+            if mine is None:
+                continue
+            grp = groups.setdefault((p["layer"], p["heads"], variant), {"steps": {}, "mtp": {}})
+            grp["mtp" if p["per_request"] > 1 else "steps"][p["tokens"]] = round(
+                fm.p50_us / mine.p50_us, 3
+            )
     if len(lines) == 2:
         return f"No {KERNEL} results to summarise.", {}
     missing = [peer for peer in PEERS if peer not in ran]
@@ -461,19 +464,19 @@ def summarise(
         return "\n".join(lines), table
     lines += ["", "| layer | heads | geomean (1 token/req) | min | steps faster | "
               "1-32 tokens >= 1.3x | MTP geomean |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for (layer, heads), grp in sorted(groups.items()):
+    for (layer, heads, variant), grp in sorted(groups.items()):
         steps = grp["steps"]
         ratios = list(steps.values())
         faster = sorted(t for t, x in steps.items() if x >= 1.0)
         small = [steps[t] for t in steps if t <= 32]
         mtp = list(grp["mtp"].values())
         lines.append(  # "-" where a group has no such steps (the DP rows have no MTP)
-            f"| {layer} | {heads} | {_times(_geomean(ratios))} | "
+            f"| {layer} | {heads}{variant} | {_times(_geomean(ratios))} | "
             f"{_times(min(ratios, default=math.nan))} | "
             f"{len(faster)}/{len(steps)} | {sum(x >= 1.3 for x in small)}/{len(small)} | "
             f"{_times(_geomean(mtp))} |"
         )
-        table[f"{layer}/{heads}"] = {"ratios": steps, "mtp_ratios": grp["mtp"]}
+        table[f"{layer}/{heads}{variant}"] = {"ratios": steps, "mtp_ratios": grp["mtp"]}
     return "\n".join(lines), table
 
 

@@ -52,9 +52,9 @@ def table_from_decode(
     """A table file's JSON from a decode run's ``decode_table`` (``cases_decode``'s
     summary: ``"layer/heads" -> {"ratios", "mtp_ratios"}``): decode rows as measured,
     prefill and combine left to vLLM (module docstring)."""
-    from .support.decode_table import decode_rows
+    from .support.decode_table import decode_rows_and_kernels
 
-    rows = decode_rows([decode_table])
+    rows, kernels = decode_rows_and_kernels([decode_table])
     if not rows:
         raise ValueError("decode_table has no measured rows (did FlashMLA run beside ours?)")
     return {
@@ -75,6 +75,7 @@ def table_from_decode(
             "max_heads": max(int(h) for by in rows.values() for h in by),
             "min_ratio": 1.0,
             "ratios": rows,
+            **({"kernels": kernels} if kernels else {}),
         },
     }
 

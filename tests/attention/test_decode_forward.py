@@ -54,6 +54,9 @@ def test_forward_decode_rejects_partial_compressed_arguments() -> None:
     with pytest.raises(ValueError, match="comp_cache and comp_indices"):
         forward_decode(case.q, case.pools.swa.cache, r.swa_indices, r.swa_lens, case.sink, SCALE,
                        out, scratch, comp_indices=r.comp_indices)  # fmt: skip
+    with pytest.raises(ValueError, match=r"policy\['WIDE_HT'\]"):  # the table's entries arrive
+        forward_decode(case.q, case.pools.swa.cache, r.swa_indices, r.swa_lens, case.sink, SCALE,
+                       out, scratch, policy={"WIDE_HT": 48})  # fmt: skip
     with pytest.raises(ValueError, match="swa_indices must be"):
         forward_decode(case.q, case.pools.swa.cache, r.swa_indices.view(1, 2, -1), r.swa_lens,
                        case.sink, SCALE, out, scratch)  # fmt: skip

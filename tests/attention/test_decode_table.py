@@ -182,3 +182,46 @@ def test_user_tables_come_first_and_bad_ones_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"NVIDIA_H20\.json is malformed"):
         tables.table_for("NVIDIA H200", None, str(folder))
     tables.user_tables.cache_clear()
+
+
+def test_decode_kernels_entries_are_parsed_and_bad_ones_named() -> None:
+    """``decode.kernels`` (head row -> launch entries) is read from a table file; an entry
+    that would change the scratch's sizes, or is not an object, is named."""
+    shipped = json.loads(resources.files("dsv4_attention").joinpath(
+        "tables", "NVIDIA_H200.json").read_text())  # fmt: skip
+    assert tables.parse_table(shipped).decode.kernels == {}  # the shipped H200 table: none
+    data = json.loads(json.dumps(shipped))
+    data["decode"]["kernels"] = {"128": {"WIDE_HT": 64, "PDL": 1}}
+    got = tables.parse_table(data, "mine.json").decode
+    assert got.kernel_policy(128) == {"WIDE_HT": 64, "PDL": 1} and got.kernel_policy(8) is None
+    for bad, match in (
+        ({"64": {"MIN_TILES_PER_SPLIT": 2}}, r"decode.kernels\['64'\]: \['MIN_TILES_PER_SPLIT'\]"),
+        ({"64": 3}, r"decode.kernels\['64'\] must be an object"),
+        ([1], "decode.kernels must be an object"),
+    ):
+        data["decode"]["kernels"] = bad
+        with pytest.raises(ValueError, match=r"mine\.json is malformed.*" + match):
+            tables.parse_table(data, "mine.json")
+
+
+def test_a_kernel_variant_wins_its_head_row_by_geomean() -> None:
+    """The table tool: a decode run's wide-block rows (``layer/heads/wide64``) replace the
+    default's in a head row where their geomean over every layer and step is higher,
+    and the table then names the row's launch entries; elsewhere the default stays."""
+    from benchmarks.support.decode_table import decode_rows_and_kernels
+
+    def row(*ratios: float) -> dict[str, object]:
+        return {"ratios": {str(2**i): r for i, r in enumerate(ratios)}, "mtp_ratios": {}}
+
+    run = {
+        "c4a/64": row(1.3, 0.5), "c4a/64/wide64": row(1.2, 0.6),  # wide: 0.85 > 0.81
+        "swa/64": row(1.4, 0.9), "swa/64/wide64": row(1.3, 0.9),
+        "c4a/128": row(1.1, 0.4), "c4a/128/wide64": row(0.9, 0.4),  # default higher
+        "c4a/8": row(2.0),
+    }  # fmt: skip
+    rows, kernels = decode_rows_and_kernels([run])
+    assert kernels == {"64": {"WIDE_HT": 64}}
+    assert rows["c4a"]["64"] == {"1": 1.2, "2": 0.6} and rows["swa"]["64"] == {"1": 1.3, "2": 0.9}
+    assert rows["c4a"]["128"] == {"1": 1.1, "2": 0.4} and rows["c4a"]["8"] == {"1": 2.0}
+    with pytest.raises(ValueError, match="unknown kernel variant 'tiny'"):
+        decode_rows_and_kernels([{"c4a/64/tiny": row(1.0)}])

@@ -587,3 +587,32 @@ def test_one_rule_from_ratio_to_rows(family: str, ratio: int, rows: str) -> None
     assert unknown.rows is None and unknown.kind is None and not unknown.compressed
     with pytest.raises(ValueError, match="compress_ratio must be None, 1"):
         row_kind(3, False)
+
+
+def test_a_table_row_names_the_kernels_it_was_measured_with(
+    kernels: list[tuple[str, int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table with a 128-head row (V4-Pro under DP attention) whose kernels are issue 41's
+    wide blocks: 65-128 local heads take that row, and the warm-up compiles the decode
+    with the row's launch entries (what serving then passes); rows without entries keep
+    the kernels' defaults."""
+    from dsv4_attention import warmup
+
+    policies: list[tuple[int, object]] = []
+
+    def decode(device: Any, heads: int, ratio: int, *args: Any, **kwargs: Any) -> None:
+        policies.append((heads, kwargs.get("policy")))
+
+    monkeypatch.setattr(warmup, "warm_up_decode", decode)
+    steps = {1: 1.2, 1024: 1.1}
+    ratios = {k: {8: steps, 64: steps, 128: steps} for k in ("swa", "c4a", "c128a")}
+    dp = tables.DecodeTable(True, 128, 1.0, ratios, kernels={128: {"WIDE_HT": 64}})
+    table = dataclasses.replace(H200, decode=dp)
+    assert dp.row("c4a", 65) is dp.ratios["c4a"][128] and dp.row("c4a", 129) is None
+    assert dp.kernel_policy(100) == {"WIDE_HT": 64} and dp.kernel_policy(64) is None
+    log = _Log()
+    rt = _runtime(log, table=table)
+    for heads in (128, 64):
+        rt.prepare(_layer(heads, 4), torch.zeros((1, heads, 512), dtype=torch.bfloat16))
+        assert rt.kinds[(4, heads)].decode.ours
+    assert policies == [(128, {"WIDE_HT": 64}), (64, None)]

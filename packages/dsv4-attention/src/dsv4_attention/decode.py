@@ -29,6 +29,8 @@ e.g. in the profile run).  Whether to call it at all for a step is
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from dsv4_kernels import DecodeScratch, DecodeScratchSizes, decode_scratch_sizes, sparse_mla_decode
@@ -75,9 +77,12 @@ def forward_decode(
     comp_cache: torch.Tensor | None = None,
     comp_indices: torch.Tensor | None = None,
     comp_lens: torch.Tensor | None = None,
+    policy: Mapping[str, int] | None = None,
 ) -> torch.Tensor:
     """Decode attention of one layer for ``q``'s tokens and heads into ``out``
-    (returned).  Raises ``ValueError`` (naming the argument) for bad input."""
+    (returned), with the measured table's launch entries ``policy`` for this head count
+    (:meth:`dsv4_attention.tables.DecodeTable.kernel_policy`; None: the kernels'
+    defaults).  Raises ``ValueError`` (naming the argument) for bad input."""
     for name, cache in (("swa_cache", swa_cache), ("comp_cache", comp_cache)):
         if cache is not None and (not isinstance(cache, torch.Tensor) or cache.dim() != 3):
             raise ValueError(f"{name} must be a [num_blocks, block_size, 584] view")
@@ -101,6 +106,7 @@ def forward_decode(
         scratch=scratch,
         attn_sink=attn_sink,
         out=out,
+        policy=policy,
         **comp_kw,  # type: ignore[arg-type]
     )
     return out

@@ -406,6 +406,7 @@ class HeadExactRuntime:
                     tokens=policy.decode_warmup_tokens(f.max_tokens),
                     window_width=f.decode_window_width,
                     compressed=f.compressed,
+                    policy=None if self.table is None else self.table.decode.kernel_policy(f.heads),
                 )
             if self.device.wgmma and not self.device.forced and not wgmma_available():
                 raise RuntimeError("the Gluon wgmma kernel failed to build")
@@ -613,6 +614,7 @@ class HeadExactRuntime:
                 output,
                 self.decode_scratch,
                 global_topk,
+                self.table.decode.kernel_policy(facts.heads),
             )
             return True
         except Exception as exc:

@@ -76,17 +76,30 @@ class DecodeTable:
     max_heads: int
     min_ratio: float
     ratios: Mapping[str, Mapping[int, Mapping[int, float]]]
+    # per head row: the decode launch entries (``dsv4_kernels.DECODE_TILES``: among
+    # :data:`KERNEL_ENTRIES`) the row was measured with, e.g. issue 41's wide blocks
+    kernels: Mapping[int, Mapping[str, int]] = field(default_factory=lambda: MappingProxyType({}))
+
+    @staticmethod
+    def head_row(heads: int) -> int:
+        """The row a local head count is looked up in: 8 up to 8 heads, 16 up to 16, 64 up
+        to 64 (FlashMLA pads every count up to 64 to 64 heads, and ours costs at most its
+        64-head time there), 128 above (FlashMLA's other padded count)."""
+        return 8 if heads <= 8 else 16 if heads <= 16 else 64 if heads <= 64 else 128
 
     def row(self, layer: str | int, heads: int) -> Mapping[int, float] | None:
         """The measured steps of a layer kind (``"c4a"``, V4.1's ``"c1a"``, or a V4 ratio) at
-        ``heads`` local heads, looked up by the kernel's MMA width: the 8-head row up to 8
-        heads, the 16-head row up to 16, the 64-head row (DP attention: blocks of 16 heads)
-        up to 64, where the table has it (FlashMLA pads every count up to 64 to 64 heads,
-        and ours costs at most its 64-head time there); None where nothing was measured."""
+        ``heads`` local heads (:meth:`head_row`), up to the table's ``max_heads``, where
+        the table has the row; None where nothing was measured."""
         name = LAYER_NAMES.get(layer, "") if isinstance(layer, int) else layer
         if name not in self.ratios or not 1 <= heads <= self.max_heads:
             return None
-        return self.ratios[name].get(8 if heads <= 8 else 16 if heads <= 16 else 64)
+        return self.ratios[name].get(self.head_row(heads))
+
+    def kernel_policy(self, heads: int) -> Mapping[str, int] | None:
+        """The decode launch entries ``heads`` local heads' row was measured with (the
+        ``policy=`` of ``dsv4_kernels.sparse_mla_decode``; None: the kernels' defaults)."""
+        return self.kernels.get(self.head_row(heads))
 
 
 @dataclass(frozen=True)
@@ -154,6 +167,25 @@ def _frozen_ratios(raw: Mapping[str, object]) -> Mapping[str, Mapping[int, Mappi
                 for h, steps in by_heads.items()
             }
         )
+    return MappingProxyType(out)
+
+
+# Decode launch entries a table row may name: launch choices that leave the scratch's
+# sizes as they are (the split policy's entries would change them).
+KERNEL_ENTRIES = ("HEAD_BLOCKS", "PDL", "WIDE_HT")
+
+
+def _kernels(raw: object) -> Mapping[int, Mapping[str, int]]:
+    """``decode.kernels``: head row -> launch entries (among :data:`KERNEL_ENTRIES`)."""
+    if raw is None:
+        return MappingProxyType({})
+    assert isinstance(raw, dict), "decode.kernels must be an object"
+    out = {}
+    for heads, entries in raw.items():
+        assert isinstance(entries, dict), f"decode.kernels[{heads!r}] must be an object"
+        unknown = sorted(set(entries) - set(KERNEL_ENTRIES))
+        assert not unknown, f"decode.kernels[{heads!r}]: {unknown} not among {KERNEL_ENTRIES}"
+        out[int(heads)] = MappingProxyType({str(k): int(v) for k, v in entries.items()})
     return MappingProxyType(out)
 
 
@@ -233,6 +265,7 @@ def parse_table(data: Mapping[str, object], name: str = "<table>") -> MeasuredTa
                 max_heads=int(decode["max_heads"]),
                 min_ratio=float(decode["min_ratio"]),
                 ratios=_frozen_ratios(decode["ratios"]),
+                kernels=_kernels(decode.get("kernels")),
             ),
             indexer=_indexer_table(data.get("indexer")),
         )

@@ -9,6 +9,7 @@ the same for prefill and decode.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,10 +165,12 @@ def run_decode(
     output: torch.Tensor,
     scratch: Any,
     global_topk: Any,
+    kernel_policy: Mapping[str, int] | None = None,
 ) -> None:
     """vLLM's ``_forward_decode`` inputs -> the head-exact decode on the real heads, into
     ``output`` in place (the padded heads are left as they are).  ``global_topk`` is
-    vLLM's ``compute_global_topk_indices_and_lens`` as its method looks it up."""
+    vLLM's ``compute_global_topk_indices_and_lens`` as its method looks it up;
+    ``kernel_policy``: the measured table's launch entries for this head count."""
     from .decode import forward_decode
 
     heads = facts.heads
@@ -196,6 +199,7 @@ def run_decode(
         float(layer.scale),
         output[:num_tokens, :heads],
         scratch,
+        policy=kernel_policy,
         **comp,
     )
 

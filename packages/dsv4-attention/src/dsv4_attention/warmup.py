@@ -12,6 +12,7 @@ real step launches.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 import torch
 
@@ -153,6 +154,7 @@ def warm_up_decode(
     tokens: tuple[int, ...] = _DECODE_TOKENS,
     window_width: int = 128,
     compressed: bool | None = None,
+    policy: Mapping[str, int] | None = None,
 ) -> float:
     """Run one layer's head-exact decode on a few batch sizes; seconds it took.
 
@@ -166,6 +168,8 @@ def warm_up_decode(
         tokens: the step sizes to run (within the scratch's token budget).
         window_width: the window rows' width (DSpark's drafter rows are wider than 128).
         compressed: whether the layer reads a compressed cache (default: ratio > 1).
+        policy: the launch entries serving uses (the measured table's, for these heads):
+            the warm-up compiles the kernels serving runs.
     """
     from .decode import forward_decode
 
@@ -202,6 +206,7 @@ def warm_up_decode(
             HEAD_DIM**-0.5,
             torch.empty_like(q),
             scratch,  # type: ignore[arg-type]
+            policy=policy,
             **comp,  # type: ignore[arg-type]
         )
     if device.type == "cuda":
