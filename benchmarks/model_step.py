@@ -9,7 +9,9 @@ runs them (:mod:`.model_step_decode`, :mod:`.model_step_prefill`):
 * ``dsv4-tp8``: the plugin's path, each layer kind where the H200 table takes it;
 * ``vllm-dp8``: the DP8 layout's step on one GPU: all 64 (128) heads, FlashMLA at its
   native head count, ``ceil(batch / 8)`` of the requests (decode) or a whole chunk
-  (prefill) per GPU.
+  (prefill) per GPU;
+* ``dsv4-dp8`` (decode): the same DP8 step on the plugin's path, each layer kind where
+  the H200 table takes it at 64 (128) heads (issue 41).
 
 Decode steps include each C4A layer's lightning indexer (scores + top-k; vLLM's pair on
 vLLM's paths, ours on the plugin's where the table takes it: :mod:`.model_step_indexer`),
@@ -51,6 +53,7 @@ from .model_step_common import StepModel, metadata_ops, step_model, tiny_model
 DECODE = "model_step_decode"
 PREFILL = "model_step_prefill"
 VLLM, OURS, DP8 = "vllm-tp8", "dsv4-tp8", "vllm-dp8"
+DP8_OURS = "dsv4-dp8"
 MODELS = ("v4-flash", "v4-pro")
 BATCHES = (1, 8, 32, 128, 256)
 PER_REQUEST = (1, 2)  # plain decode; MTP with one draft token (the mtp presets)
@@ -94,9 +97,11 @@ def decode_cases(
             (md.vllm_path(step, ops, VLLM), step),
             (md.plugin_path(step, ops, OURS), step),
             (md.vllm_path(dp_step, ops, DP8), dp_step),
+            (md.plugin_path(dp_step, ops, DP8_OURS), dp_step),
         ]
         providers = [Provider(p.name, p.run, p.poison, md.checker(s, p)) for p, s in paths]
         params = _params(tp_cell, dp_cell, paths[1][0].ours, seed, gpu)
+        params["dp_kinds_ours"] = list(paths[3][0].ours)
         params["indexer"] = {p.name: None if p.indexer is None else p.indexer.who
                              for p, _ in paths}  # fmt: skip
         params["indexer_note"] = step.indexer_note
@@ -232,8 +237,9 @@ def _rows(results: Sequence[Result]) -> list[dict[str, Any]]:
             "saving_pct": 100 * (v.p50_us - o.p50_us) / v.p50_us,
             "speedup": v.p50_us / o.p50_us,
         }
-        if DP8 in provs:
-            row[DP8] = provs[DP8].p50_us
+        for dp in (DP8, DP8_OURS):
+            if dp in provs:
+                row[dp] = provs[dp].p50_us
         if kernel == DECODE and row["model"] in _facts():
             per_req = _facts()[row["model"]].kv_bytes_per_request(row["context"], mtp=True)
             row["kv_gb_tp8"] = row["requests"] * per_req / 1e9  # every GPU holds every request
@@ -275,19 +281,22 @@ def table(rows: Sequence[dict[str, Any]], smoke: bool) -> str:
         else:
             out += [
                 "| model | batch | tokens/req | context | vLLM TP8 us | ours TP8 us | saving us |"
-                " saving % | speed-up | floor us | DP8 per GPU (64/128 heads) us | faster "
-                "attention step | KV GB per GPU: TP8 / DP8 |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+                " saving % | speed-up | floor us | DP8 per GPU (64/128 heads) us | DP8 + plugin "
+                "us | faster attention step | KV GB per GPU: TP8 / DP8 |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for r in dec:
-                dp = r.get(DP8, math.nan)
-                best = "TP8 + plugin" if r[OURS] <= dp else f"DP8 ({r['dp_requests']} req/GPU)"
+                dp, dp_ours = r.get(DP8, math.nan), r.get(DP8_OURS, math.nan)
+                best = "TP8 + plugin"
+                if min(dp, dp_ours) < r[OURS]:
+                    with_plugin = " + plugin" if dp_ours < dp else ""
+                    best = f"DP8{with_plugin} ({r['dp_requests']} req/GPU)"
                 out.append(
                     f"| {r['model']} | {r['requests']} | {r['per_request']} | "
                     f"{_ctx(r['context'])} | "
                     f"{r[VLLM]:.1f} | **{r[OURS]:.1f}** | {r['saving_us']:.1f} | "
                     f"{r['saving_pct']:.0f}% | {r['speedup']:.2f}x | {r['floor']:.1f} | {dp:.1f} | "
-                    f"{best} | {_kv(r)} |"
+                    f"{'-' if math.isnan(dp_ours) else f'{dp_ours:.1f}'} | {best} | {_kv(r)} |"
                 )
         out.append("")
     if pre:
@@ -316,8 +325,11 @@ def table(rows: Sequence[dict[str, Any]], smoke: bool) -> str:
 
 def _checked(rows: Sequence[dict[str, Any]]) -> list[str]:
     """A smoke run's table: which paths ran and were checked (its times mean nothing)."""
-    head = ["| case | vLLM's path | ours | DP8 |", "|---|---|---|---|"]
-    return head + [f"| {r['case']} | checked | checked | checked |" for r in rows]
+    head = ["| case | vLLM's path | ours | DP8 | DP8 + plugin |", "|---|---|---|---|---|"]
+    return head + [
+        f"| {r['case']} | checked | checked | checked | {'checked' if DP8_OURS in r else '-'} |"
+        for r in rows
+    ]
 
 
 def _kv(r: dict[str, Any]) -> str:
@@ -347,7 +359,7 @@ def plot(rows: Sequence[dict[str, Any]], env: dict[str, str], path: Path) -> boo
     cols = min(2, len(panels))
     rows_n = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows_n, cols, figsize=(6.5 * cols, 4.6 * rows_n), squeeze=False)
-    styles = {VLLM: "--", OURS: "-", DP8: ":"}
+    styles = {VLLM: "--", OURS: "-", DP8: ":", DP8_OURS: "-."}
     colours = dict(zip(CONTEXTS, ("#1f77b4", "#ff7f0e", "#2ca02c"), strict=True))
     for ax, (model, g) in zip(axes.flat, panels, strict=False):
         for ctx in CONTEXTS:
