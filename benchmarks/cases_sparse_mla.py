@@ -78,9 +78,9 @@ OURS = "dsv4-kernels"
 OURS_INDEX = "dsv4-kernels+index"
 OURS_WS = "dsv4-kernels-workspace"
 OURS_GROUPED = "dsv4-kernels-grouped+index"
-# more than 16 heads in wide blocks of 64 heads on the wgmma kernel's two warpgroups
-# (issue 41; the shipped large tiles run the Triton kernel): beside the default
-OURS_WIDE = "dsv4-kernels-wide64"
+# more than 16 heads in wide blocks on the wgmma kernel's two warpgroups (issue 41; the
+# shipped large tiles run the Triton kernel): blocks of 32 heads up to 32, else of 64
+OURS_WIDE = "dsv4-kernels-wide"
 FLASHMLA = "flashmla-64h"
 FLASHMLA_GATHER = "flashmla-64h+gather"
 VLLM_FLASHMLA = "vllm-flashmla-native"
@@ -285,7 +285,8 @@ def build_cases(
         if H > 16:
             from dsv4_kernels.sparse_mla import TILES
 
-            wide_tiles = {"large": {**TILES["large"], "KERNEL": 2, "ASYNC_PV": 1, "WIDE_HT": 64}}
+            block = 32 if H <= 32 else 64
+            wide_tiles = {"large": {**TILES["large"], "KERNEL": 2, "ASYNC_PV": 1, "WIDE_HT": block}}
             wide = dataclasses.replace(inp, tiles=wide_tiles)
             providers.append(ours(OURS_WIDE, lambda i=wide, o=out, l=lse: i.run_paged(o, l)))
         if fmla:
