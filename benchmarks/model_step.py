@@ -287,10 +287,10 @@ def table(rows: Sequence[dict[str, Any]], smoke: bool) -> str:
             ]
             for r in dec:
                 dp, dp_ours = r.get(DP8, math.nan), r.get(DP8_OURS, math.nan)
-                best = "TP8 + plugin"
-                if min(dp, dp_ours) < r[OURS]:
-                    with_plugin = " + plugin" if dp_ours < dp else ""
-                    best = f"DP8{with_plugin} ({r['dp_requests']} req/GPU)"
+                best, fastest = "TP8 + plugin", r[OURS]
+                for name, us in (("DP8", dp), ("DP8 + plugin", dp_ours)):
+                    if us < fastest:  # False for a path that did not run (nan)
+                        best, fastest = f"{name} ({r['dp_requests']} req/GPU)", us
                 out.append(
                     f"| {r['model']} | {r['requests']} | {r['per_request']} | "
                     f"{_ctx(r['context'])} | "
