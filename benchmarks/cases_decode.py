@@ -44,13 +44,14 @@ import torch
 
 from .flashmla_vllm import LABEL as VLLM_LABEL
 from .harness import FLOOR, BenchCase, Provider, Result, not_run, progress_line
+from .support.decode_table import VARIANTS
 
 KERNEL = "sparse_mla_decode"
 OURS = "dsv4-kernels"
 # ours at more than 16 heads in wide blocks of 64 heads on two warpgroups (issue 41; the
 # shipped default runs them in blocks of 16): beside the default in the same run
-OURS_WIDE = "dsv4-kernels-wide64"
-WIDE_POLICY = {"WIDE_HT": 64}
+WIDE = "wide64"  # the variant's name in the dispatch data (``layer/heads/wide64``)
+OURS_WIDE = f"dsv4-kernels-{WIDE}"
 FLASHMLA = "flashmla-64h"
 VLLM_FLASHMLA = "vllm-flashmla-decode"
 SCALE = 512**-0.5
@@ -247,9 +248,10 @@ def build_cases(
         out = torch.empty((T, H, 512), dtype=torch.bfloat16, device=device)
         lse = torch.empty((T, H), dtype=torch.float32, device=device)
 
-        def ours_call(r: Any, c: Any = case, o: torch.Tensor = out, l: torch.Tensor = lse) -> None:
+        def ours_call(r: Any, c: Any = case, o: torch.Tensor = out, l: torch.Tensor = lse,
+                      p: Any = policy) -> None:  # fmt: skip
             dk.sparse_mla_decode(c.q, c.pools.swa.cache, r.swa_indices, r.swa_lens, SCALE,
-                                 scratch=scratch, out=o, lse=l, policy=policy,
+                                 scratch=scratch, out=o, lse=l, policy=p,
                                  **c.kwargs(r))  # fmt: skip
 
         def poison(o: torch.Tensor = out, l: torch.Tensor = lse) -> None:
@@ -265,15 +267,8 @@ def build_cases(
         replay = _graph([lambda r=r: ours_call(r) for r in sets], device)
         providers = [Provider(OURS, replay, poison, check)]
         if H > 16:  # the wide blocks, into the same outputs, checked the same way
-            wide = {**(policy or {}), **WIDE_POLICY}
-
-            def wide_call(r: Any, c: Any = case, o: torch.Tensor = out,
-                          l: torch.Tensor = lse, p: Any = wide) -> None:  # fmt: skip
-                dk.sparse_mla_decode(c.q, c.pools.swa.cache, r.swa_indices, r.swa_lens, SCALE,
-                                     scratch=scratch, out=o, lse=l, policy=p,
-                                     **c.kwargs(r))  # fmt: skip
-
-            wide_replay = _graph([lambda r=r: wide_call(r) for r in sets], device)
+            wide = {**(policy or {}), **VARIANTS[WIDE]}
+            wide_replay = _graph([lambda r=r, p=wide: ours_call(r, p=p) for r in sets], device)
             providers.append(Provider(OURS_WIDE, wide_replay, poison, check))
         if fns is not None and gpu and flashmla:
             fm = PaddedFlashMLADecode(
@@ -441,7 +436,7 @@ def summarise(
         fm = row.get(FLASHMLA)
         if fm is None:
             continue
-        for variant, mine in (("", ours), ("/wide64", row.get(OURS_WIDE))):
+        for variant, mine in (("", ours), (f"/{WIDE}", row.get(OURS_WIDE))):
             if mine is None:
                 continue
             grp = groups.setdefault((p["layer"], p["heads"], variant), {"steps": {}, "mtp": {}})

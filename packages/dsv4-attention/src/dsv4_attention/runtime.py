@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +96,8 @@ class KindState:
     warmup_seconds: float = 0.0
     # where ours is not taken: vLLM's own V4 prefill at the real heads (``native``)
     native: Choice = field(default_factory=lambda: Choice(False, "not decided"))
+    # the decode launch entries the table's head row was measured with (None: defaults)
+    decode_policy: Mapping[str, int] | None = None
 
 
 @dataclass
@@ -211,7 +213,8 @@ class HeadExactRuntime:
         if decode.ours:
             decode = self._fits_decode(facts) or decode
         native = policy.native_prefill_choice(facts, self.device, self.table, self.switches)
-        state = KindState(facts, prefill, decode, native=native)
+        kernels = None if self.table is None else self.table.decode.kernel_policy(facts.heads)
+        state = KindState(facts, prefill, decode, native=native, decode_policy=kernels)
         if prefill.ours or decode.ours:
             self._warm_up(state, q.device)
         self.access.info(self.describe(state))
@@ -406,7 +409,7 @@ class HeadExactRuntime:
                     tokens=policy.decode_warmup_tokens(f.max_tokens),
                     window_width=f.decode_window_width,
                     compressed=f.compressed,
-                    policy=None if self.table is None else self.table.decode.kernel_policy(f.heads),
+                    policy=state.decode_policy,
                 )
             if self.device.wgmma and not self.device.forced and not wgmma_available():
                 raise RuntimeError("the Gluon wgmma kernel failed to build")
@@ -614,7 +617,7 @@ class HeadExactRuntime:
                 output,
                 self.decode_scratch,
                 global_topk,
-                self.table.decode.kernel_policy(facts.heads),
+                state.decode_policy,
             )
             return True
         except Exception as exc:

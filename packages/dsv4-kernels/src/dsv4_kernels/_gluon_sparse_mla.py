@@ -36,6 +36,10 @@ around Hopper's warpgroup MMA with the keys on the M dimension:
 CUDA sm_90 only (wgmma); the launcher in :mod:`._paged_keys` chooses it.  Gluon
 has no interpreter: the CPU suite runs the Triton kernel, and the GPU tests run
 both against the same references.
+
+One module past 500 lines: the tile loop and its helpers, which the decode's split
+kernel (:mod:`._gluon_decode`) imports, live beside the per-token kernel that is their
+first user, so a change to the loop is read with the kernel it was measured in.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ from .reference.prefill_indices import expand_grouped_rows
 
 LOG2E = 1.4426950408889634
 WGMMA_MAX_HEADS = 16  # the wgmma kernels pad the heads to wgmma's N, 8 or 16
+# heads per wide block (two warpgroups; issue 41): ``WIDE_HT`` of the decode's policy and
+# of the large tiles takes one of these (0: off)
+WIDE_BLOCK_HEADS = (32, 64)
 
 # Why the decode's wgmma split kernel failed to build here, if it did (the per-token
 # kernel's record is ``.sparse_mla._WGMMA_BROKEN``).
@@ -374,8 +377,9 @@ def launch_wgmma(
     wg, blocks = 1, 1
     if H > WGMMA_MAX_HEADS:  # wide blocks (wgmma_runs checked WIDE_HT), one token a row
         hp, wg, nreg = tiles["WIDE_HT"], 2, None
-        if hp not in (32, 64):
-            raise ValueError(f"tiles['large']['WIDE_HT'] must be 32 or 64 heads, got {hp}")
+        if hp not in WIDE_BLOCK_HEADS:
+            sizes = " or ".join(map(str, WIDE_BLOCK_HEADS))
+            raise ValueError(f"tiles['large']['WIDE_HT'] must be {sizes} heads, got {hp}")
         blocks = triton.cdiv(H, hp)
     grid = T * blocks
     unused = args[5] if len(args) > 5 else q  # any tensor for the unused pointers

@@ -37,7 +37,7 @@ import triton
 
 from . import _sparse_mla_checks as _checks
 from . import _triton_decode as _k
-from ._paged_keys import check_paged_keys, launch, launch_split
+from ._paged_keys import WIDE_BLOCK_HEADS, check_paged_keys, launch, launch_split
 from ._validation import (
     check_out,
     check_positive_int,
@@ -90,7 +90,7 @@ DECODE_TILES: dict[str, int] = dict(
     WIDE_HT=0,
 )
 
-WIDE_HEAD_BLOCKS = (0, 32, 64)  # the values DECODE_TILES["WIDE_HT"] takes
+WIDE_HEAD_BLOCKS = (0, *WIDE_BLOCK_HEADS)  # the values DECODE_TILES["WIDE_HT"] takes
 
 
 DecodePolicy = Mapping[str, int]
