@@ -117,6 +117,7 @@ def _layer(heads: int, ratio: int, topk: int | None = 1024) -> Any:
         compress_ratio=ratio,
         window_size=128,
         topk_indices_buffer=None if topk is None else torch.empty(4, topk, dtype=torch.int32),
+        scale=512**-0.5,
     )
 
 

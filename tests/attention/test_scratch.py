@@ -25,7 +25,7 @@ from dsv4_attention.scratch import (
     prefill_scratch_sizes,
     scratch_bytes,
 )
-from dsv4_kernels.geometry import TOKEN_BYTES, page_stride_bytes
+from dsv4_kernels.geometry import TOKEN_BYTES, RowKind, page_stride_bytes
 from dsv4_kernels.testing import fresh_seed
 from dsv4_kernels.testing.sparse_mla import random_q
 
@@ -163,6 +163,7 @@ def _layer(ratio: int = 1, dtype: str | None = "fp8_ds_mla", **kw: object) -> ty
         topk_indices_buffer=torch.zeros(4, 512, dtype=torch.int32),
         max_model_len=4096,
         max_num_batched_tokens=64,
+        scale=512**-0.5,
     )
     if dtype is not None:
         fields["kv_cache_dtype"] = dtype
@@ -213,9 +214,13 @@ def _runtime(lines: list[str]) -> HeadExactRuntime:
     return HeadExactRuntime(ServingConfig(), Device(None, None), None, Switches(), access)
 
 
+_Q = torch.zeros(1, 64, 512, dtype=torch.bfloat16)  # vLLM's padded queries (8 real heads)
+
+
 def test_layout_checked_once_per_binding(monkeypatch: pytest.MonkeyPatch) -> None:
     """The guard runs once per layer and cache binding (a refusal logged once, naming the
-    layer); a new binding is checked again."""
+    layer); a new binding is checked again, and the binding is kept while the caches
+    are the same views."""
     lines: list[str] = []
     rt = _runtime(lines)
     layer = _layer()
@@ -230,14 +235,24 @@ def test_layout_checked_once_per_binding(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(vllm_calls, "cache_layout_problem", counted)
     bad = _page_view(3, 64, width=528)
-    assert not rt._layout_ok(layer, facts, bad, None, 64, None)
-    assert not rt._layout_ok(layer, facts, bad, None, 64, None)
+    assert rt.binding(layer, facts, _Q, bad, None, 64, None) is None
+    assert rt.binding(layer, facts, _Q, bad, None, 64, None) is None
     assert len(checks) == 1
     assert len(lines) == 1 and "layers.3.attn" in lines[0] and "528" in lines[0], lines
     good = _page_view(3, 64)
-    assert rt._layout_ok(layer, facts, good, None, 64, None)  # a new binding is checked again
-    assert rt._layout_ok(layer, facts, good, None, 64, None)
+    bound = rt.binding(layer, facts, _Q, good, None, 64, None)  # a new binding: checked again
+    assert bound is not None
+    assert rt.binding(layer, facts, _Q, good, None, 64, None) is bound
     assert len(checks) == 2 and len(lines) == 1
+    # what it holds for the run: the typed page view, the rows, the real heads, the window
+    assert bound.window.page_size == 64 and bound.window.num_slots == 192
+    assert bound.window.page_stride == page_stride_bytes(64)
+    assert bound.comp is None and bound.rows is RowKind.WINDOW and bound.ratio == 1
+    assert (bound.heads, bound.window_size, bound.scale) == (8, 128, 512**-0.5)
+    # another view of the same memory and shape is the same binding; another page size is not
+    assert rt.binding(layer, facts, _Q, good[:], None, 64, None) is bound
+    assert rt.binding(layer, facts, _Q, good, None, 32, None) is None
+    assert len(checks) == 3
 
 
 @pytest.mark.parametrize(
@@ -259,10 +274,12 @@ def test_layout_checks_the_compressed_cache_at_vllms_block_size(
     rt = _runtime(lines)
     layer = _layer(ratio)
     facts = rt.facts(layer)
-    ok = rt._layout_ok(layer, facts, _page_view(3, 64), _page_view(3, slots), 64, block_size)
-    assert ok == (problem is None)
-    if problem is None:
+    bound = rt.binding(layer, facts, _Q, _page_view(3, 64), _page_view(3, slots), 64, block_size)
+    assert (bound is not None) == (problem is None)
+    if bound is not None:
         assert lines == []
+        assert bound.comp is not None and bound.comp.page_size == slots
+        assert bound.rows is (RowKind.TOPK if ratio == 4 else RowKind.ALL)
     else:
         assert len(lines) == 1 and "compressed" in lines[0] and problem in lines[0], lines
 

@@ -30,6 +30,7 @@ from dsv4_attention.facts import ServingConfig
 from dsv4_attention.policy import Device, Switches
 from dsv4_attention.runtime import HeadExactRuntime, VllmAccess, make_attention_cls
 from dsv4_attention.tables import DecodeTable, MeasuredTable, table_for
+from dsv4_kernels import _paged_keys
 from dsv4_kernels.testing.common import fresh_seed, generator
 
 from .test_vllm_step import HEADS, MAX_MODEL_LEN, MAX_TOKENS, PADDED, Model, ours_cls  # noqa: F401
@@ -306,6 +307,30 @@ def test_decode_matches_reference_where_the_table_takes_it(
             atol=2e-2,
             rtol=2e-2,
             msg=lambda m, prefix=layer.prefix: f"seed {seed} {prefix}: {m}",
+        )
+    # the next step: each layer's binding (its caches checked once, at vLLM's page sizes)
+    # runs with the new step's rows; no cache view is checked again
+    checked: list[str] = []
+    real = _paged_keys.check_page_cache
+    monkeypatch.setattr(
+        _paged_keys, "check_page_cache", lambda *a: checked.append(a[0]) or real(*a)
+    )
+    for layer in model.layers:
+        bound = layer._dsv4_binding[1]
+        assert bound.window.page_size == 64 and bound.heads == HEADS
+        assert bound.window.page_stride == layer.swa_view.view.stride(0)
+        if layer.compress_ratio > 1:
+            assert bound.comp.page_size == 256 // layer.compress_ratio
+        swa, attn, T = _decode_batch(model, layer, [700, 90], per_req)
+        q = torch.randn(T, PADDED, 512, generator=g).to(torch.bfloat16)
+        out = _call(built.cls, layer, swa, attn, q, T)
+        assert checked == [] and layer._dsv4_binding[1] is bound
+        torch.testing.assert_close(
+            out[:, :HEADS].float(),
+            _reference(layer, swa, attn, q, peer_topk).float(),
+            atol=2e-2,
+            rtol=2e-2,
+            msg=lambda m, prefix=layer.prefix: f"seed {seed} {prefix}, next step: {m}",
         )
     assert built.warning == []
 

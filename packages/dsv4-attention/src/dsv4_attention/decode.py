@@ -33,8 +33,11 @@ from collections.abc import Mapping
 
 import torch
 
-from dsv4_kernels import DecodeScratch, DecodeScratchSizes, decode_scratch_sizes, sparse_mla_decode
+from dsv4_kernels import DecodeScratch, DecodeScratchSizes, decode_scratch_sizes
 from dsv4_kernels import make_decode_scratch as _make
+from dsv4_kernels.geometry import WINDOW_SIZE, RowKind
+
+from .binding import DecodeRows, LayerBinding, check_sink
 
 __all__ = ["DecodeScratch", "decode_scratch_sizes", "forward_decode", "make_decode_scratch"]
 
@@ -55,15 +58,6 @@ def make_decode_scratch(
     return _make(sizes, device, buffer)
 
 
-def _rows(name: str, x: torch.Tensor) -> torch.Tensor:
-    """vLLM's ``[T, 1, K]`` index rows as ``[T, K]`` (a view)."""
-    if x.dim() == 3:
-        if x.shape[1] != 1:
-            raise ValueError(f"{name} must be [T, K] or [T, 1, K], got shape {tuple(x.shape)}")
-        return x[:, 0]
-    return x
-
-
 def forward_decode(
     q: torch.Tensor,
     swa_cache: torch.Tensor,
@@ -82,31 +76,42 @@ def forward_decode(
     """Decode attention of one layer for ``q``'s tokens and heads into ``out``
     (returned), with the measured table's launch entries ``policy`` for this head count
     (:meth:`dsv4_attention.tables.DecodeTable.kernel_policy`; None: the kernels'
-    defaults).  Raises ``ValueError`` (naming the argument) for bad input."""
+    defaults).  Raises ``ValueError`` (naming the argument) for bad input.
+
+    A :class:`~dsv4_attention.binding.LayerBinding` made for this call: the plugin
+    keeps one per layer and passes only the step's rows."""
     for name, cache in (("swa_cache", swa_cache), ("comp_cache", comp_cache)):
         if cache is not None and (not isinstance(cache, torch.Tensor) or cache.dim() != 3):
             raise ValueError(f"{name} must be a [num_blocks, block_size, 584] view")
-    comp_kw = {}
-    if comp_cache is not None or comp_indices is not None:
-        if comp_cache is None or comp_indices is None:
-            raise ValueError("comp_cache and comp_indices must be given together")
-        comp_kw = dict(
-            comp_cache=comp_cache,
-            comp_indices=_rows("comp_indices", comp_indices),
-            comp_lens=comp_lens,
-            comp_block_size=comp_cache.shape[1],
+    if (comp_cache is None) != (comp_indices is None):
+        raise ValueError("comp_cache and comp_indices must be given together")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a [T, H, 512] tensor, got {getattr(q, 'shape', type(q))}")
+    rows = DecodeRows(swa_indices, swa_lens, comp_indices, comp_lens)
+    for name, x in (("swa_indices", swa_indices), ("comp_indices", comp_indices)):
+        if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"{name} must have {q.shape[0]} rows (one per query token, like q), "
+                f"got {x.shape[0]}"
+            )
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(q.shape):
+        raise ValueError(
+            f"out must be {tuple(q.shape)} like q, got {tuple(getattr(out, 'shape', ()))}"
         )
-    sparse_mla_decode(
-        q,
-        swa_cache,
-        _rows("swa_indices", swa_indices),
-        swa_lens,
-        scale,
+    check_sink(attn_sink, q.shape[1])
+    binding = LayerBinding.bind(
+        name="forward_decode",
+        rows=RowKind.WINDOW if comp_cache is None else RowKind.TOPK,
+        ratio=1 if comp_cache is None else 4,
+        heads=q.shape[1],
+        window_size=WINDOW_SIZE,
+        swa_cache=swa_cache,
         swa_block_size=swa_cache.shape[1],
-        scratch=scratch,
-        attn_sink=attn_sink,
-        out=out,
-        policy=policy,
-        **comp_kw,  # type: ignore[arg-type]
+        comp_cache=comp_cache,
+        comp_block_size=None if comp_cache is None else comp_cache.shape[1],
+        scale=scale,
+        q=q,
+        group_size=1,
     )
+    binding.decode(q, out, rows, scratch, attn_sink, swa_cache, comp_cache, policy)
     return out

@@ -43,12 +43,11 @@ from typing import Any
 
 import torch
 
-import dsv4_kernels as dk
 from dsv4_kernels import reference as dk_ref
-from dsv4_kernels import sparse_mla
 from dsv4_kernels.geometry import SWA_BLOCK_SIZE
 from dsv4_kernels.reference import sparse_mla as ref_attention
 
+from .binding import LayerBinding, check_sink
 from .prefill_plan import (
     PrefillPlan,
     _check_comp_args,
@@ -204,34 +203,30 @@ def forward_prefill(
     """
     comp_block_size = _prologue(q, plan, compress_ratio, comp_cache, out, comp_block_table,
                                 comp_block_size, topk_indices, c128a_topk)  # fmt: skip
-    T = plan.num_tokens
-    if group_size is None:
-        group_size = (
-            1 if topk_rows(compress_ratio, topk_indices) else sparse_mla.prefill_group_size(q)
-        )
-    rows = plan.layer_rows(
+    check_sink(attn_sink, q.shape[1])
+    binding = LayerBinding.of_ratio(
         compress_ratio,
-        window_block_table=swa_block_table,
-        window_block_size=swa_block_size,
-        comp_block_table=comp_block_table,
+        topk_indices is not None,
+        name="forward_prefill",
+        heads=q.shape[1],
+        window_size=plan.window_size if window_size is None else window_size,
+        swa_cache=swa_cache,
+        swa_block_size=swa_block_size,
+        comp_cache=comp_cache,
         comp_block_size=comp_block_size,
+        scale=scale,
+        q=q,
+        group_size=group_size,
+    )
+    rows = binding.prefill_rows(
+        plan,
+        window_block_table=swa_block_table,
+        comp_block_table=comp_block_table,
         topk_indices=topk_indices,
         c128a_topk=c128a_topk,
-        group_size=group_size,
         window_floor=window_floor,
-        window_size=window_size,
     )
-    grouped: dict[str, Any] = {}
-    if isinstance(rows, dk.GroupedPrefillIndices):
-        grouped = rows.grouping()
-    if lse is None and plan.scratch is not None:
-        lse = plan.scratch.take("lse", (T, q.shape[1]))
-    return _attend(
-        dk.sparse_mla_paged, q[:T], rows, scale=scale, swa_cache=swa_cache,
-        swa_block_size=swa_block_size, attn_sink=attn_sink, comp_cache=comp_cache,
-        comp_block_size=comp_block_size, out=None if out is None else out[:T], lse=lse,
-        **grouped,
-    )  # fmt: skip
+    return binding.prefill(q, out, rows, plan, attn_sink, swa_cache, comp_cache, lse)
 
 
 _FORWARD = inspect.signature(forward_prefill)

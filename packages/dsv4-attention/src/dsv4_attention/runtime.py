@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from . import policy, vllm_calls
+from .binding import LayerBinding
 from .facts import FAMILY_RATIOS, LayerFacts, ServingConfig
 from .indexer_part import IndexerPart
 from .policy import Choice, Device, Switches
@@ -63,6 +64,13 @@ def _never() -> bool:
 
 def _nothing() -> Any:
     return None
+
+
+def _view_key(view: Any) -> tuple[Any, ...] | None:
+    """What identifies a cache view vLLM binds to a layer (its memory and shape)."""
+    if not isinstance(view, torch.Tensor):
+        return None if view is None else (id(view),)
+    return (view.data_ptr(), tuple(view.shape), tuple(view.stride()))
 
 
 def _capturing() -> bool:
@@ -450,37 +458,63 @@ class HeadExactRuntime:
             step.mean_keys[key] = policy.c4a_mean_keys(seq.tolist(), qlen.tolist(), *key)
         return step.mean_keys[key]
 
-    def _layout_ok(
+    def binding(
         self,
         layer: Any,
         facts: LayerFacts,
+        q: torch.Tensor,
         swa_cache: Any,
         comp_cache: Any,
         swa_block_size: int,
         comp_block_size: int | None,
-    ) -> bool:
-        """Whether this layer's caches have DSV4's FP8 page layout at vLLM's page sizes;
-        checked once per layer and cache binding, a refusal logged once."""
+    ) -> LayerBinding | None:
+        """This layer's binding (:class:`~dsv4_attention.binding.LayerBinding`) to the
+        caches it holds: made once per layer and cache binding, checking that the caches
+        have DSV4's FP8 page layout at vLLM's page sizes (``comp_block_size``: vLLM's
+        metadata block size of the compressed cache, in tokens); None, with one line,
+        where they do not (vLLM's attention runs)."""
         key = (
-            getattr(swa_cache, "data_ptr", lambda: 0)(),
-            getattr(comp_cache, "data_ptr", lambda: 0)(),
-            tuple(getattr(swa_cache, "shape", ())),
-            tuple(getattr(comp_cache, "shape", ())),
+            _view_key(swa_cache),
+            _view_key(comp_cache) if facts.compressed else None,
+            swa_block_size,
+            comp_block_size,
         )
-        held = getattr(layer, "_dsv4_layout", None)
+        held = getattr(layer, "_dsv4_binding", None)
         if held is not None and held[0] == key:
-            return bool(held[1])
+            return held[1]
         problem = vllm_calls.cache_layout_problem(facts, swa_cache, swa_block_size, "window")
+        slots = None
         if problem is None and facts.compressed:
             slots = None if comp_block_size is None else comp_block_size // facts.compress_ratio
             problem = vllm_calls.cache_layout_problem(facts, comp_cache, slots, "compressed")
-        layer._dsv4_layout = (key, problem is None)
+        bound = None
+        if problem is None:
+            if facts.rows is None:
+                problem = f"compress ratio {facts.compress_ratio} is not a DSV4 layer kind"
+            else:
+                try:
+                    bound = LayerBinding.bind(
+                        name=facts.name,
+                        rows=facts.rows,
+                        ratio=facts.kernel_ratio,
+                        heads=facts.heads,
+                        window_size=facts.window,
+                        swa_cache=swa_cache,
+                        swa_block_size=swa_block_size,
+                        comp_cache=comp_cache if facts.compressed else None,
+                        comp_block_size=slots,
+                        scale=float(layer.scale),
+                        q=q,
+                    )
+                except ValueError as exc:
+                    problem = str(exc)
+        layer._dsv4_binding = (key, bound)
         if problem is not None:
             self.access.info(
                 f"dsv4-attention: {facts.name} keeps vLLM's attention (prefill and decode): "
                 f"{problem}"
             )
-        return problem is None
+        return bound
 
     def _failed(self, layer: Any, what: str, exc: BaseException) -> bool:
         """A step of ours raised outside capture: that kind's ``what`` goes back to vLLM
@@ -544,19 +578,21 @@ class HeadExactRuntime:
             if not policy.prefill_step_takes_ours(facts, self.table.prefill, self.switches, mean):
                 return False
             comp_block = int(attn_metadata.block_size) if facts.compressed else None
-            if not self._layout_ok(
+            binding = self.binding(
                 layer,
                 facts,
+                q,
                 swa_k_cache,
                 compressed_k_cache,
                 int(swa_metadata.block_size),
                 comp_block,
-            ):
+            )
+            if binding is None:
                 return False
             step = self._step_state(swa_metadata)
             vllm_calls.run_prefill(
                 layer,
-                facts,
+                binding,
                 step.plan_for(swa_metadata, self.prefill_scratch),
                 q,
                 compressed_k_cache,
@@ -598,17 +634,23 @@ class HeadExactRuntime:
                 self.table.decode, facts.kind or "", facts.heads, num_tokens
             ):
                 return False
-            window = layer.swa_cache_layer.kv_cache
             comp_block = None if swa_only else int(attn_metadata.block_size)
-            if not self._layout_ok(
-                layer, facts, window, kv_cache, int(swa_metadata.block_size), comp_block
-            ):
+            binding = self.binding(
+                layer,
+                facts,
+                q,
+                layer.swa_cache_layer.kv_cache,
+                kv_cache,
+                int(swa_metadata.block_size),
+                comp_block,
+            )
+            if binding is None:
                 return False
             if self.access.capturing():
                 self._captured = True
             vllm_calls.run_decode(
                 layer,
-                facts,
+                binding,
                 q,
                 kv_cache,
                 swa_metadata,

@@ -1,10 +1,11 @@
 """vLLM's ``_forward_prefill`` / ``_forward_decode`` / indexer arguments mapped to our forwards.
 
 Pure argument mapping, no decisions and no state: the runtime
-(``dsv4_attention.runtime``) decides whether to call these and owns the plan
-and the scratch they are given.  Page sizes come from the cache views the layer
-holds (the layout guard checked them against vLLM's metadata once per binding),
-the same for prefill and decode.
+(``dsv4_attention.runtime``) decides whether to call these and owns the plan,
+the scratch and each layer's :class:`~dsv4_attention.binding.LayerBinding` (its
+caches checked against vLLM's metadata once, its page sizes, rows, heads and
+window).  Here vLLM's metadata becomes the layer's rows for a step, and the
+binding runs with them.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ from typing import Any
 
 import torch
 
-from dsv4_kernels.geometry import WINDOW_SIZE
+from dsv4_kernels.geometry import WINDOW_SIZE, RowKind
 
+from .binding import DecodeRows, LayerBinding
 from .facts import IndexerFacts, LayerFacts
 from .prefill_plan import PrefillPlan
 
 __all__ = [
     "IndexerStep",
     "cache_layout_problem",
+    "decode_rows",
     "indexer_step",
     "prefill_batch",
     "prefill_plan",
@@ -105,7 +108,7 @@ def window_floor(swa_metadata: Any) -> torch.Tensor | None:
 
 def run_prefill(
     layer: Any,
-    facts: LayerFacts,
+    binding: LayerBinding,
     plan: PrefillPlan,
     q: torch.Tensor,
     compressed_k_cache: torch.Tensor | None,
@@ -115,48 +118,74 @@ def run_prefill(
     swa_metadata: Any,
     floor: torch.Tensor | None = None,
 ) -> None:
-    """vLLM's ``_forward_prefill`` inputs -> index rows -> attention on the real heads.
+    """vLLM's ``_forward_prefill`` step -> this layer's rows -> its binding's attention.
 
-    ``q`` and ``output`` are the prefill tokens' ``[T, padded_heads, 512]`` slices;
-    only the first ``facts.heads`` heads are computed and written (vLLM drops the
-    padded ones after attention).  ``floor``: this layer's window floor
-    (:func:`window_floor` of its own ``swa_metadata``)."""
-    from .prefill import forward_prefill
-
-    heads = facts.heads
+    The rows come from the layer's own metadata: its window block table and window
+    floor (``floor``, :func:`window_floor` of its own ``swa_metadata``), its compressed
+    block table and its top-k rows (the layer's slice of the indexer's buffer) or
+    vLLM's C128A row width.  ``q`` and ``output`` are vLLM's padded
+    ``[T, padded_heads, 512]`` prefill slices; only the real heads are computed and
+    written (vLLM drops the padded ones after attention)."""
     num_decodes = int(swa_metadata.num_decodes)
     comp: dict[str, Any] = {}
-    if facts.compressed:
-        assert compressed_k_cache is not None
-        comp = {
-            "comp_cache": compressed_k_cache,
-            "comp_block_table": attn_metadata.block_table[num_decodes:],
-            "comp_block_size": int(compressed_k_cache.shape[1]),
-        }
-        if facts.topk_rows:  # C4A, V4.1's ratio-1 and ratio-2 layers
-            num_decode_tokens = int(swa_metadata.num_decode_tokens)
-            comp["topk_indices"] = layer.topk_indices_buffer[num_decode_tokens:]
-        else:
-            comp["c128a_topk"] = int(attn_metadata.c128a_prefill_topk_indices.shape[-1])
-    forward_prefill(
-        q[:, :heads],
+    if binding.rows is RowKind.TOPK:  # C4A, V4.1's ratio-1 and ratio-2 layers
+        num_decode_tokens = int(swa_metadata.num_decode_tokens)
+        comp["comp_block_table"] = attn_metadata.block_table[num_decodes:]
+        comp["topk_indices"] = layer.topk_indices_buffer[num_decode_tokens:]
+    elif binding.rows is RowKind.ALL:  # C128A
+        comp["comp_block_table"] = attn_metadata.block_table[num_decodes:]
+        comp["c128a_topk"] = int(attn_metadata.c128a_prefill_topk_indices.shape[-1])
+    rows = binding.prefill_rows(
         plan,
-        compress_ratio=facts.kernel_ratio,
-        scale=float(layer.scale),
-        swa_cache=swa_k_cache,
-        swa_block_table=swa_metadata.block_table[num_decodes:],
-        swa_block_size=int(swa_k_cache.shape[1]),
-        attn_sink=layer.attn_sink[:heads],
-        out=output[:, :heads],
+        window_block_table=swa_metadata.block_table[num_decodes:],
         window_floor=floor,
-        window_size=facts.window,
         **comp,
+    )
+    binding.prefill(q, output, rows, plan, layer.attn_sink, swa_k_cache, compressed_k_cache)
+
+
+def decode_rows(
+    layer: Any,
+    binding: LayerBinding,
+    swa_metadata: Any,
+    attn_metadata: Any,
+    swa_only: bool,
+    global_topk: Any,
+) -> DecodeRows:
+    """This layer's rows of vLLM's decode step: the window rows of its own window
+    metadata and, for a compressed layer, its top-k mapped to cache slots as vLLM maps
+    them (``global_topk``: vLLM's ``compute_global_topk_indices_and_lens`` as its method
+    looks it up) or vLLM's C128A rows.  ``ValueError`` where vLLM's ``swa_only`` and the
+    layer's rows disagree."""
+    if swa_only != (binding.comp is None):
+        raise ValueError(
+            f"{binding.name}: vLLM calls its decode with swa_only={swa_only}, but its rows "
+            f"are {binding.rows.name}"
+        )
+    num_tokens = int(swa_metadata.num_decode_tokens)
+    indices = lens = None
+    if binding.comp is not None and binding.rows is RowKind.TOPK:
+        indices, lens = global_topk(
+            layer.topk_indices_buffer[:num_tokens],
+            swa_metadata.token_to_req_indices,
+            attn_metadata.block_table[: int(swa_metadata.num_decodes)],
+            binding.comp.page_size,
+            swa_metadata.is_valid_token[:num_tokens],
+        )
+    elif binding.comp is not None:
+        indices = attn_metadata.c128a_global_decode_topk_indices[:num_tokens]
+        lens = attn_metadata.c128a_decode_topk_lens[:num_tokens]
+    return DecodeRows(
+        swa_metadata.decode_swa_indices[:num_tokens],
+        swa_metadata.decode_swa_lens[:num_tokens],
+        indices,
+        lens,
     )
 
 
 def run_decode(
     layer: Any,
-    facts: LayerFacts,
+    binding: LayerBinding,
     q: torch.Tensor,
     kv_cache: torch.Tensor | None,
     swa_metadata: Any,
@@ -167,41 +196,13 @@ def run_decode(
     global_topk: Any,
     kernel_policy: Mapping[str, int] | None = None,
 ) -> None:
-    """vLLM's ``_forward_decode`` inputs -> the head-exact decode on the real heads, into
-    ``output`` in place (the padded heads are left as they are).  ``global_topk`` is
-    vLLM's ``compute_global_topk_indices_and_lens`` as its method looks it up;
-    ``kernel_policy``: the measured table's launch entries for this head count."""
-    from .decode import forward_decode
-
-    heads = facts.heads
-    num_tokens = int(swa_metadata.num_decode_tokens)
-    comp: dict[str, Any] = {}
-    if not swa_only:
-        assert kv_cache is not None
-        if facts.topk_rows:  # the layer's top-k, mapped to cache slots as vLLM maps them
-            indices, lens = global_topk(
-                layer.topk_indices_buffer[:num_tokens],
-                swa_metadata.token_to_req_indices,
-                attn_metadata.block_table[: int(swa_metadata.num_decodes)],
-                int(kv_cache.shape[1]),
-                swa_metadata.is_valid_token[:num_tokens],
-            )
-        else:
-            indices = attn_metadata.c128a_global_decode_topk_indices
-            lens = attn_metadata.c128a_decode_topk_lens
-        comp = {"comp_cache": kv_cache, "comp_indices": indices, "comp_lens": lens}
-    forward_decode(
-        q[:num_tokens, :heads],
-        layer.swa_cache_layer.kv_cache,
-        swa_metadata.decode_swa_indices,
-        swa_metadata.decode_swa_lens,
-        layer.attn_sink[:heads],
-        float(layer.scale),
-        output[:num_tokens, :heads],
-        scratch,
-        policy=kernel_policy,
-        **comp,
-    )
+    """vLLM's ``_forward_decode`` step -> this layer's rows (:func:`decode_rows`) -> its
+    binding's decode on the real heads, into ``output`` in place (the padded heads are
+    left as they are); ``kernel_policy``: the measured table's launch entries for this
+    head count."""
+    rows = decode_rows(layer, binding, swa_metadata, attn_metadata, swa_only, global_topk)
+    binding.decode(q, output, rows, scratch, layer.attn_sink, layer.swa_cache_layer.kv_cache,
+                   kv_cache, kernel_policy)  # fmt: skip
 
 
 @dataclass(frozen=True)

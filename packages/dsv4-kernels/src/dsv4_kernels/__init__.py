@@ -9,6 +9,7 @@ run the real Triton kernels through it.
 from __future__ import annotations
 
 from . import geometry, reference
+from ._paged_keys import PageView
 from .decode import (
     DecodeScratch,
     DecodeScratchSizes,
@@ -36,6 +37,7 @@ __all__ = [
     "DecodeScratch",
     "DecodeScratchSizes",
     "GroupedPrefillIndices",
+    "PageView",
     "PrefillIndices",
     "build_grouped_prefill_indices",
     "build_prefill_indices",

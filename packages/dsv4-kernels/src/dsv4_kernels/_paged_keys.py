@@ -1,6 +1,10 @@
 """The keys of a sparse MLA call and the kernel that reads them: what the prefill
 (:mod:`.sparse_mla`) and the decode (:mod:`.decode`) share.
 
+* :class:`PageView` (public): one FP8 page view with its page size and stride, checked
+  once (:meth:`PageView.check`); a caller that holds one for the run (the plugin's
+  layer binding) passes it in place of a cache tensor and its block size, and no call
+  checks the view again.
 * :class:`PagedKeys`: the window source and the optional compressed source (cache, index
   rows, lengths, page size), checked once by :func:`check_paged_keys` (the arguments of
   :func:`.sparse_mla_paged` and :func:`.sparse_mla_decode`, same checks and messages).
@@ -44,6 +48,60 @@ WIDE_BLOCK_HEADS = (32, 64)
 # Why the decode's wgmma split kernel failed to build here, if it did (the per-token
 # kernel's record is ``.sparse_mla._WGMMA_BROKEN``).
 SPLIT_BROKEN: list[str] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class PageView:
+    """One FP8 (UE8M0) page view as the kernels read it, checked once: the view
+    (``[num_pages, page_size, 584]`` uint8 or ``[num_pages, >= page]``, any page stride,
+    e.g. vLLM's block-outer per-layer views), its slots per page, its page stride in
+    bytes and its number of slots (larger indices are holes).
+
+    Build it with :meth:`check`; pass it as ``swa_cache`` / ``comp_cache`` of
+    :func:`dsv4_kernels.sparse_mla_paged` and :func:`dsv4_kernels.sparse_mla_decode`
+    (the block size argument then may be omitted; given, it must equal ``page_size``).
+    It describes the view at the time of the check: a view whose storage vLLM
+    re-binds (a new KV cache) needs a new one."""
+
+    cache: torch.Tensor
+    page_size: int
+    page_stride: int
+    num_slots: int
+
+    @classmethod
+    def check(
+        cls,
+        cache: object,
+        page_size: int,
+        name: str = "cache",
+        device: torch.device | None = None,
+        page_size_name: str | None = None,
+    ) -> PageView:
+        """``cache`` checked as a page view of ``page_size`` slots per page (on
+        ``device`` when given); a ``ValueError`` naming ``name`` (or ``page_size_name``,
+        default ``"<name> page_size"``, for the page size) otherwise.  Never
+        synchronises."""
+        slots = check_positive_int(page_size_name or f"{name} page_size", page_size)
+        c, stride = check_page_cache(name, cache, slots, device)
+        return cls(c, slots, stride, c.shape[0] * slots)
+
+
+def _page_view(
+    name: str, cache: object, size_name: str, block_size: object, device: torch.device
+) -> PageView:
+    """A cache argument as a :class:`PageView`: checked here when it is a tensor (with
+    ``block_size``), taken as it is when it already is one (on ``device``; a given
+    ``block_size`` must be its page size)."""
+    if isinstance(cache, PageView):
+        if block_size is not None and block_size != cache.page_size:
+            raise ValueError(
+                f"{size_name} must be None or the PageView's page size {cache.page_size}, "
+                f"got {block_size!r}"
+            )
+        if cache.cache.device != device:
+            raise ValueError(f"{name} must be on {device}, got {cache.cache.device}")
+        return cache
+    return PageView.check(cache, block_size, name, device, size_name)  # type: ignore[arg-type]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +174,11 @@ class PagedKeys:
 
 
 def check_paged_keys(
-    swa_cache: torch.Tensor,
+    swa_cache: torch.Tensor | PageView,
     swa_indices: torch.Tensor,
     swa_lens: torch.Tensor | None,
-    swa_block_size: int,
-    comp_cache: torch.Tensor | None,
+    swa_block_size: int | None,
+    comp_cache: torch.Tensor | PageView | None,
     comp_indices: torch.Tensor | None,
     comp_lens: torch.Tensor | None,
     comp_block_size: int | None,
@@ -129,31 +187,32 @@ def check_paged_keys(
 ) -> PagedKeys:
     """The key arguments of :func:`.sparse_mla_paged` and :func:`.sparse_mla_decode`,
     checked: each failure is a ``ValueError`` naming the argument and what was expected
-    (shapes, dtypes, devices and Python ints only, never a GPU synchronisation)."""
-    check_positive_int("swa_block_size", swa_block_size)
-    a_cache, a_stride = check_page_cache("swa_cache", swa_cache, swa_block_size, device)
+    (shapes, dtypes, devices and Python ints only, never a GPU synchronisation).  A
+    cache given as a :class:`PageView` was checked when it was made and is not
+    checked again."""
+    a = _page_view("swa_cache", swa_cache, "swa_block_size", swa_block_size, device)
     a_idx, a_lens = _check_rows(
         "swa_indices", swa_indices, "swa_lens", swa_lens, num_tokens, device
     )
-    window = KeySource(
-        a_cache, a_idx, a_lens, swa_block_size, a_stride, a_cache.shape[0] * swa_block_size
-    )
-    comp_given = [x is not None for x in (comp_cache, comp_indices, comp_block_size)]
+    window = KeySource(a.cache, a_idx, a_lens, a.page_size, a.page_stride, a.num_slots)
+    comp_given = [comp_cache is not None, comp_indices is not None]
+    if comp_block_size is not None or not isinstance(comp_cache, PageView):
+        comp_given.append(comp_block_size is not None)
     if any(comp_given) and not all(comp_given):
         raise ValueError(
             "comp_cache, comp_indices and comp_block_size must be given together "
-            "(all None for SWA-only layers)"
+            "(all None for SWA-only layers; comp_block_size may be left out with a "
+            "PageView)"
         )
     if comp_lens is not None and comp_cache is None:
         raise ValueError("comp_lens given without comp_cache / comp_indices")
     if comp_cache is None:
         return PagedKeys(window)
-    slots = check_positive_int("comp_block_size", comp_block_size)
-    b_cache, b_stride = check_page_cache("comp_cache", comp_cache, slots, device)
+    b = _page_view("comp_cache", comp_cache, "comp_block_size", comp_block_size, device)
     b_idx, b_lens = _check_rows(
         "comp_indices", comp_indices, "comp_lens", comp_lens, num_tokens, device
     )
-    comp = KeySource(b_cache, b_idx, b_lens, slots, b_stride, b_cache.shape[0] * slots)
+    comp = KeySource(b.cache, b_idx, b_lens, b.page_size, b.page_stride, b.num_slots)
     return PagedKeys(window, comp)
 
 

@@ -37,7 +37,7 @@ import triton
 
 from . import _sparse_mla_checks as _checks
 from . import _triton_decode as _k
-from ._paged_keys import WIDE_BLOCK_HEADS, check_paged_keys, launch, launch_split
+from ._paged_keys import WIDE_BLOCK_HEADS, PageView, check_paged_keys, launch, launch_split
 from ._validation import (
     check_out,
     check_positive_int,
@@ -286,15 +286,15 @@ def _check_scratch(scratch: object, T: int, H: int, rows: int, device: torch.dev
 
 def sparse_mla_decode(
     q: torch.Tensor,
-    swa_cache: torch.Tensor,
+    swa_cache: torch.Tensor | PageView,
     swa_indices: torch.Tensor,
     swa_lens: torch.Tensor | None,
     scale: float,
     *,
-    swa_block_size: int,
+    swa_block_size: int | None = None,
     scratch: DecodeScratch,
     attn_sink: torch.Tensor | None = None,
-    comp_cache: torch.Tensor | None = None,
+    comp_cache: torch.Tensor | PageView | None = None,
     comp_indices: torch.Tensor | None = None,
     comp_lens: torch.Tensor | None = None,
     comp_block_size: int | None = None,

@@ -45,7 +45,15 @@ import functools
 
 import torch
 
-from ._paged_keys import KeySource, PagedKeys, check_paged_keys, launch, tiles_for, wgmma_runs
+from ._paged_keys import (
+    KeySource,
+    PagedKeys,
+    PageView,
+    check_paged_keys,
+    launch,
+    tiles_for,
+    wgmma_runs,
+)
 from ._sparse_mla_checks import (
     MAX_HEADS,
     _check_groups,
@@ -122,14 +130,14 @@ def prefill_group_size(q: torch.Tensor, tiles: TileTable | None = None) -> int:
 
 def sparse_mla_paged(
     q: torch.Tensor,
-    swa_cache: torch.Tensor,
+    swa_cache: torch.Tensor | PageView,
     swa_indices: torch.Tensor,
     swa_lens: torch.Tensor | None,
     scale: float,
     *,
-    swa_block_size: int,
+    swa_block_size: int | None = None,
     attn_sink: torch.Tensor | None = None,
-    comp_cache: torch.Tensor | None = None,
+    comp_cache: torch.Tensor | PageView | None = None,
     comp_indices: torch.Tensor | None = None,
     comp_lens: torch.Tensor | None = None,
     comp_block_size: int | None = None,
@@ -153,17 +161,21 @@ def sparse_mla_paged(
         swa_cache: the window cache, ``[num_pages, page_bytes]`` or
             ``[num_pages, swa_block_size, 584]`` uint8 (vLLM's per-layer view)
             with any page stride ``stride(0) >= round_up(swa_block_size * 584,
-            576)`` (block-outer views, nonzero storage offsets are fine).
+            576)`` (block-outer views, nonzero storage offsets are fine); or a
+            :class:`dsv4_kernels.PageView` checked once by the caller (then
+            ``swa_block_size`` may be left out).
         swa_indices: ``[T, K]`` int32 global slots ``page * swa_block_size +
             slot_in_page``; ``-1`` is a hole.
         swa_lens: ``[T]`` int32, only the first ``swa_lens[t]`` columns
             count; None counts all ``K``.
         scale: softmax scale (``512 ** -0.5`` for DSV4).
-        swa_block_size: slots per window-cache page (64 in DSV4).
+        swa_block_size: slots per window-cache page (64 in DSV4); None only with a
+            :class:`~dsv4_kernels.PageView`.
         attn_sink: ``[H]`` float32 per-head sink (natural-log units; ``-inf``
             is no sink), or None.
         comp_cache: the compressed cache (same layout rules, ``comp_block_size``
-            entries per page), or None for SWA-only layers.
+            entries per page; or a :class:`~dsv4_kernels.PageView`), or None for
+            SWA-only layers.
         comp_indices: ``[T, Kc]`` int32 global compressed slots, ``-1`` holes.
         comp_lens: ``[T]`` int32 lengths for ``comp_indices``, or None (all).
         comp_block_size: entries per compressed page (``256 // compress_ratio``).
