@@ -45,6 +45,7 @@ from ._vllm_v41 import (
     reference_attention,
     v41_config,
 )
+from .conftest import PoolRecorder
 from .test_vllm_v41 import staged, v41_table, vllm_v41  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.vllm
@@ -225,6 +226,7 @@ def test_scratch_lives_in_vllms_workspace_pool_and_survives_sleep(
     vllm_v41: FlashMLACalls,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
+    pool_recorder: PoolRecorder,
 ) -> None:
     """Sleep mode: vLLM allocates its workspace inside the manager's allocation context
     (``_maybe_get_memory_pool_context("workspace")``: the CuMem pool that ``sleep()``
@@ -234,34 +236,17 @@ def test_scratch_lives_in_vllms_workspace_pool_and_survives_sleep(
     a sleep destroys them, the next decode and prefill steps are still right."""
     from vllm.v1.worker import workspace as ws
 
-    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
-    inside: list[bool] = []
-    made: set[int] = set()
-    real_empty = torch.empty
-
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        t = real_empty(*args, **kwargs)
-        if inside:
-            made.add(t.data_ptr())
-        return t
-
-    @contextlib.contextmanager
-    def pool() -> Iterator[None]:
-        inside.append(True)
-        try:
-            yield
-        finally:
-            inside.pop()
-
     real_init = ws.init_workspace_manager
     monkeypatch.setattr(
-        ws, "init_workspace_manager", lambda device, **kw: real_init(device, alloc_context=pool)
+        ws,
+        "init_workspace_manager",
+        lambda device, **kw: real_init(device, alloc_context=pool_recorder.pool),
     )
-    monkeypatch.setattr(torch, "empty", empty)
+    made = pool_recorder.made
     g = generator(fresh_seed())
     with plugin_registered(v41_config(HEADS, RATIOS, SOURCES)), caplog.at_level("INFO"):
         engine = start_engine(24, g)
-        monkeypatch.setattr(torch, "empty", real_empty)
+        monkeypatch.setattr(torch, "empty", pool_recorder.real_empty)
         rt = engine.cls.dsv4_runtime
         buffers = [rt.decode_scratch.partial_out, *rt.prefill_scratch.buffers.values()]
         assert all(b.data_ptr() in made for b in buffers), "scratch allocated outside the pool"

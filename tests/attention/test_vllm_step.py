@@ -28,12 +28,10 @@ the profile run, and the cache layout guard.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import threading
 import types
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -48,6 +46,7 @@ from dsv4_attention.tables import table_for
 from dsv4_kernels.testing.common import fresh_seed, generator
 
 from ._vllm_hopper import hopper_attention_class
+from .conftest import PoolRecorder
 from .vllm_layout import vllm_dsv4_caches
 
 pytestmark = pytest.mark.vllm
@@ -415,7 +414,10 @@ def test_window_groups_whose_metadata_differ_each_get_their_own_rows(fresh_cls: 
 
 
 def test_profile_run_reserves_what_the_largest_step_uses(
-    fresh_cls: type, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    fresh_cls: type,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    pool_recorder: PoolRecorder,
 ) -> None:
     """vLLM's profile run (its own forward_mqa without metadata, its own workspace
     manager) decides every layer kind, reserves the prefill scratch (inside the
@@ -433,30 +435,8 @@ def test_profile_run_reserves_what_the_largest_step_uses(
     model = Model(g, ratios=(1, 1, 4, 128))
     rt = fresh_cls.dsv4_runtime
     base = fresh_cls.__mro__[1]
-    # the one accelerator call of vLLM's manager (releasing cached memory before it
-    # grows) has nothing to release on a CPU and raises there
-    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
-    inside: list[bool] = []
-    made: set[int] = set()  # tensors torch.empty made inside vLLM's allocation context
-    real_empty = torch.empty
-
-    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
-        t = real_empty(*args, **kwargs)
-        if inside:
-            made.add(t.data_ptr())
-        return t
-
-    @contextlib.contextmanager
-    def pool() -> Iterator[None]:
-        inside.append(True)
-        try:
-            yield
-        finally:
-            inside.pop()
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-    workspace.init_workspace_manager(torch.device("cpu"), alloc_context=pool)
+    made = pool_recorder.made  # tensors torch.empty made inside vLLM's allocation context
+    workspace.init_workspace_manager(torch.device("cpu"), alloc_context=pool_recorder.pool)
     try:
         with set_forward_context(None, VllmConfig()), caplog.at_level("INFO"):
             for layer in model.layers:
@@ -490,7 +470,7 @@ def test_profile_run_reserves_what_the_largest_step_uses(
         assert set(reserved) == set(prefill_scratch_sizes(spec))
         # every buffer allocated inside the manager's allocation context (sleep's pool)
         assert all(t.data_ptr() in made for t in reserved.values())
-        monkeypatch.setattr(torch, "empty", real_empty)
+        monkeypatch.setattr(torch, "empty", pool_recorder.real_empty)
         workspace.lock_workspace()
         monkeypatch.setattr(
             base, "_forward_prefill", lambda self, **kw: pytest.fail("vLLM's prefill ran")
