@@ -42,7 +42,7 @@ from dsv4_attention.facts import LayerFacts, ServingConfig
 from dsv4_attention.policy import Device, Switches
 from dsv4_attention.runtime import HeadExactRuntime, VllmAccess
 from dsv4_attention.tables import table_for
-from dsv4_kernels import sparse_mla
+from dsv4_kernels import _paged_keys, sparse_mla
 from dsv4_kernels.testing.common import fresh_seed, generator
 
 from ._vllm_hopper import hopper_attention_class
@@ -256,10 +256,30 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
                 layer, q=q[num_decode_tokens:], output=out[num_decode_tokens:], **kwargs
             )
             outputs[label] = out
+        # the same step again: the layer's binding (made at its first call) runs with no
+        # cache view checked again, and gives the same output
+        bound = layer._dsv4_binding[1]
+        checked: list[str] = []
+        real = _paged_keys.check_page_cache
+        monkeypatch.setattr(
+            _paged_keys, "check_page_cache", lambda *a: checked.append(a[0]) or real(*a)
+        )
+        again = torch.full((total, PADDED, 512), 7.0, dtype=torch.bfloat16)
+        ours_cls._forward_prefill(
+            layer, q=q[num_decode_tokens:], output=again[num_decode_tokens:], **kwargs
+        )
+        assert checked == [] and layer._dsv4_binding[1] is bound
+        assert torch.equal(again, outputs["ours"])
     finally:
         for name, fn in saved.items():
             setattr(flashmla, name, fn)
     vllm_out, ours = outputs["vllm"], outputs["ours"]
+    # what the binding holds: vLLM's page sizes, the layer's rows and heads, the grouping
+    assert (bound.window.page_size, bound.heads, bound.group_size) == (64, HEADS, group)
+    if ratio == 1:
+        assert bound.comp is None
+    else:
+        assert bound.comp is not None and bound.comp.page_size == 256 // ratio
     # ours ran (vLLM's FlashMLA call never made for it) and its kind stays ours
     assert attention_calls.get("vllm", 0) > 0 and "ours" not in attention_calls, attention_calls
     rt = ours_cls.dsv4_runtime
