@@ -81,6 +81,10 @@ OURS_GROUPED = "dsv4-kernels-grouped+index"
 # more than 16 heads in wide blocks on the wgmma kernel's two warpgroups (issue 41; the
 # shipped large tiles run the Triton kernel): blocks of 32 heads up to 32, else of 64
 OURS_WIDE = "dsv4-kernels-wide"
+# C128A rows read through the compressed block table (BlockRows; the H200 table's
+# prefill.c128a_block_rows once measured): build lengths and requests, then attend
+OURS_BLOCKS = "dsv4-kernels-blocks+index"
+OURS_GROUPED_BLOCKS = "dsv4-kernels-grouped-blocks+index"
 FLASHMLA = "flashmla-64h"
 FLASHMLA_GATHER = "flashmla-64h+gather"
 VLLM_FLASHMLA = "vllm-flashmla-native"
@@ -216,6 +220,19 @@ def index_build_provider(
     return run
 
 
+def blocks_provider(
+    inp: AttnInputs, out: torch.Tensor, lse: torch.Tensor, group: int = 0
+) -> Callable[[], None]:
+    """Hook: a C128A chunk's rows with the compressed part as ``BlockRows`` (per token, or
+    grouped rows of ``group`` tokens), built (one launch) then attended."""
+
+    def run() -> None:
+        rows = inp.build_grouped(group, blocks=True) if group else inp.build_blocks()
+        inp.run_paged(out, lse, rows)
+
+    return run
+
+
 def grouped_size(inp: AttnInputs) -> int:
     """Tokens per group for the grouped provider (0: none for this case)."""
     from dsv4_kernels.sparse_mla import prefill_group_size
@@ -282,6 +299,11 @@ def build_cases(
                     lambda i=inp, o=out, l=lse, g=group: i.run_paged(o, l, i.build_grouped(g)),
                 ),
             )
+        if shape.layer == "c128a":
+            providers.append(ours(OURS_BLOCKS, blocks_provider(inp, out, lse)))
+            if group:
+                blocks = blocks_provider(inp, out, lse, group)
+                providers.append(ours(OURS_GROUPED_BLOCKS, blocks))
         if H > 16:
             from dsv4_kernels.sparse_mla import TILES
 

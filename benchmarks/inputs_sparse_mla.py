@@ -145,8 +145,9 @@ class AttnInputs:
             **kw,
         )
 
-    def build_grouped(self, group_size: int) -> Any:
-        """Grouped rows (``GroupedPrefillIndices``) of this SWA-only or C128A chunk."""
+    def build_grouped(self, group_size: int, blocks: bool = False) -> Any:
+        """Grouped rows (``GroupedPrefillIndices``) of this SWA-only or C128A chunk
+        (``blocks``: C128A's as ``BlockRows``)."""
         import dsv4_kernels as dk
 
         c = self.index_case
@@ -160,6 +161,25 @@ class AttnInputs:
             comp_block_table=c.comp_block_table if comp else None,
             comp_block_size=self.comp_block_size if comp else None,
             topk=c.topk if comp else None,
+            comp_blocks=blocks and comp,
+        )
+
+    def build_blocks(self) -> Any:
+        """This C128A chunk's per-token rows with the compressed rows as ``BlockRows``
+        (no ``[T, entries]`` row of slots)."""
+        import dsv4_kernels as dk
+
+        c = self.index_case
+        return dk.build_prefill_indices(
+            c.query_start_loc,
+            c.seq_lens,
+            num_tokens=c.num_tokens,
+            window_block_table=c.window_block_table,
+            compress_ratio=128,
+            comp_block_table=c.comp_block_table,
+            comp_block_size=self.comp_block_size,
+            topk=c.topk,
+            comp_blocks=True,
         )
 
     def run_workspace(self, out: torch.Tensor, lse: torch.Tensor) -> None:

@@ -80,11 +80,11 @@ def _cuobjdump(cubin: bytes, *flags: str) -> str:
 
 
 def compile_variant(
-    case: str, tiles: dict[str, int] | None, group: int = 0
+    case: str, tiles: dict[str, int] | None, group: int = 0, blocks: bool = False
 ) -> list[tuple[str, Any]]:
     """The kernels one ``sparse_mla_paged`` call of ``case`` launches with ``tiles``
     (on grouped rows of ``group`` tokens when it is 2 or more: SWA-only and C128A;
-    ``tiles`` None: the shipped ones)."""
+    ``tiles`` None: the shipped ones; ``blocks``: C128A's rows as ``BlockRows``)."""
     from dsv4_kernels import _gluon_sparse_mla as g
     from dsv4_kernels import _triton_sparse_mla as k
     from dsv4_kernels import sparse_mla as sm
@@ -107,9 +107,9 @@ def compile_variant(
         out = torch.empty((T, H, 512), dtype=torch.bfloat16)
         lse = torch.empty((T, H), dtype=torch.float32)
         if group > 1:
-            inp.run_paged(out, lse, inp.build_grouped(group))
+            inp.run_paged(out, lse, inp.build_grouped(group, blocks))
         else:
-            inp.run_paged(out, lse)
+            inp.run_paged(out, lse, inp.build_blocks() if blocks else None)
     finally:
         sm._hopper_runs_wgmma, sm.use_triton = saved[0], saved[1]  # type: ignore[assignment]
         g._sparse_mla_wgmma_kernel, k._sparse_mla_kernel = saved[2], saved[3]  # type: ignore
@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--group", type=int, default=0, help="grouped rows of this many tokens")
     p.add_argument("--sass", type=Path, help="write each variant's SASS into this folder")
+    p.add_argument(
+        "--blocks", action="store_true", help="C128A rows as BlockRows (read through the table)"
+    )
     args = p.parse_args(argv)
     known: dict[str, dict[str, int] | None] = {
         name: tiles for cls in VARIANTS.values() for name, tiles in cls
@@ -155,13 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [n for n in names if n not in known]:
         p.error(f"--variants: unknown {unknown}; known: {sorted(known)}")
     for name in names:
-        for kernel_name, kernel in compile_variant(args.case, known[name], args.group):
+        for kernel_name, kernel in compile_variant(args.case, known[name], args.group, args.blocks):
             info = describe(kernel)
             sass = info.pop("sass")
             if args.sass:
                 args.sass.mkdir(parents=True, exist_ok=True)
                 (args.sass / f"{args.case}-{name}.sass").write_text(sass)
-            row = dict(case=args.case, variant=name, group=args.group, kernel=kernel_name)
+            row = dict(case=args.case, variant=name, group=args.group, kernel=kernel_name,
+                       blocks=args.blocks)  # fmt: skip
             print(json.dumps({**row, **info}))
     return 0
 

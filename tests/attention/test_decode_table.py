@@ -204,6 +204,21 @@ def test_decode_kernels_entries_are_parsed_and_bad_ones_named() -> None:
             tables.parse_table(data, "mine.json")
 
 
+def test_c128a_block_rows_flag_is_parsed_and_a_bad_one_named() -> None:
+    """``prefill.c128a_block_rows`` (C128A rows read through the block table) is off in
+    the shipped H200 table (not run on the GPU yet), on where a table says true, and
+    anything but a JSON boolean is named."""
+    shipped = json.loads(resources.files("dsv4_attention").joinpath(
+        "tables", "NVIDIA_H200.json").read_text())  # fmt: skip
+    assert tables.parse_table(shipped).prefill.c128a_block_rows is False
+    data = json.loads(json.dumps(shipped))
+    data["prefill"]["c128a_block_rows"] = True
+    assert tables.parse_table(data, "mine.json").prefill.c128a_block_rows is True
+    data["prefill"]["c128a_block_rows"] = "yes"
+    with pytest.raises(ValueError, match=r"mine\.json is malformed.*expected true or false"):
+        tables.parse_table(data, "mine.json")
+
+
 def test_a_kernel_variant_wins_its_head_row_by_geomean() -> None:
     """The table tool: a decode run's wide-block rows (``layer/heads/wide64``) replace the
     default's in a head row where their geomean over every layer and step is higher,

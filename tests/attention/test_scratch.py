@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+import dsv4_kernels as dk
 from dsv4_attention import policy, vllm_calls
 from dsv4_attention.facts import FAMILY_RATIOS, LayerFacts, ServingConfig
 from dsv4_attention.policy import Device, Switches
@@ -47,6 +48,20 @@ def test_sizes_cover_every_row_kind() -> None:
     assert "c4a" not in prefill_scratch_sizes(ScratchSpec(max_tokens=1, max_heads=1))
 
 
+def test_block_rows_reserve_requests_not_rows_of_entries() -> None:
+    """With the C128A rows read through the block table the scratch holds each token's
+    request instead of a ``[tokens, c128a_width]`` row: at 1M context and a 16K budget
+    (width 8192) that is 512 MiB less."""
+    rows = ScratchSpec(max_tokens=16384, max_heads=8, max_group=4, c128a_width=8192)
+    blocks = ScratchSpec(**{**rows.__dict__, "c128a_blocks": 1})
+    sizes = prefill_scratch_sizes(blocks)
+    assert "c128a0" not in sizes and sizes["c128a0_req"] == (16384, torch.int32)
+    assert sizes["c128a0_lens"] == prefill_scratch_sizes(rows)["c128a0_lens"]
+    saved = scratch_bytes(rows) - scratch_bytes(blocks)
+    assert saved == 16384 * 8192 * 4 - 16384 * 4
+    assert rows.merged(blocks).c128a_blocks == 1
+
+
 def test_merged_spec_covers_both() -> None:
     a = ScratchSpec(max_tokens=100, max_heads=8, c4a_topk=512)
     b = ScratchSpec(max_tokens=50, max_heads=16, c128a_width=128, max_group=4)
@@ -77,11 +92,13 @@ def _inside(t: torch.Tensor, scratch: PrefillScratch) -> bool:
     )
 
 
-@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("group, blocks", [(1, False), (4, False), (1, True), (4, True)])
 def test_plan_builds_into_the_scratch_and_matches_the_reference(
-    group: int, monkeypatch: pytest.MonkeyPatch
+    group: int, blocks: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rows and lse of every layer type live in the scratch; outputs equal the reference."""
+    """Rows and lse of every layer type live in the scratch; outputs equal the reference.
+    With ``blocks`` (the table's ``c128a_block_rows``) the C128A rows are each token's
+    length and request in the scratch, read through vLLM's compressed block table."""
     from dsv4_kernels import sparse_mla
 
     monkeypatch.setattr(sparse_mla, "prefill_group_size", lambda q: group)
@@ -91,7 +108,12 @@ def test_plan_builds_into_the_scratch_and_matches_the_reference(
     )
     inputs = sc.prepare_step(0)
     spec = ScratchSpec(
-        max_tokens=inputs.num_tokens + 3, max_heads=4, max_group=4, c4a_topk=64, c128a_width=8
+        max_tokens=inputs.num_tokens + 3,
+        max_heads=4,
+        max_group=4,
+        c4a_topk=64,
+        c128a_width=8,
+        c128a_blocks=int(blocks),
     )
     scratch = PrefillScratch(spec)
     for buffer in scratch.buffers.values():
@@ -107,13 +129,20 @@ def test_plan_builds_into_the_scratch_and_matches_the_reference(
         fresh = PrefillPlan(inputs.query_start_loc, inputs.seq_lens, num_tokens=inputs.num_tokens)
         want = reference_forward_prefill(q, fresh, **kw)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert plan.c128a_blocks is blocks
     rows = [*plan._rows.values(), *plan._grouped.values()]
     assert rows, "the plan built no shared rows"
+    seen_blocks = 0
     for entry in rows:
-        built = entry[1:] if isinstance(entry[1], torch.Tensor) else entry[1]
+        built = entry[1:] if isinstance(entry[1], (torch.Tensor, dk.BlockRows)) else entry[1]
         for t in built:
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, dk.BlockRows):  # the table is vLLM's, the requests ours
+                assert t.block_table is layer_kwargs(sc, "c128a", inputs)["comp_block_table"]
+                assert _inside(t.req, scratch), "the requests are not a view of the scratch"
+                seen_blocks += 1
+            elif isinstance(t, torch.Tensor):
                 assert _inside(t, scratch), "a row of the step is not a view of the scratch"
+    assert seen_blocks == int(blocks)
     assert (scratch.buffers["lse"][: inputs.num_tokens * 4] != -77).all()
 
 

@@ -193,16 +193,23 @@ def _batch(g: torch.Generator, ratio: int, caches: dict[str, torch.Tensor]) -> d
 
 
 @pytest.mark.parametrize(
-    ("ratio", "group"),
-    [(1, 1), (4, 1), (128, 1), (1, 4), (128, 4)],
-    ids=["swa", "c4a", "c128a", "swa-grouped", "c128a-grouped"],
-)
+    ("ratio", "group", "blocks"),
+    [(1, 1, 0), (4, 1, 0), (128, 1, 0), (1, 4, 0), (128, 4, 0), (128, 1, 1), (128, 4, 1)],
+    ids=["swa", "c4a", "c128a", "swa-grouped", "c128a-grouped", "c128a-blocks",
+         "c128a-grouped-blocks"],
+)  # fmt: skip
 def test_head_exact_prefill_matches_vllms_own_prefill(
-    vllm_env: types.SimpleNamespace, ratio: int, group: int, monkeypatch: pytest.MonkeyPatch
+    vllm_env: types.SimpleNamespace,
+    ratio: int,
+    group: int,
+    blocks: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``group`` > 1: the forward takes grouped rows (as on Hopper, where the wgmma kernel
     consumes them; here they are expanded per token), built from vLLM's metadata for a
-    batch whose requests start inside groups."""
+    batch whose requests start inside groups.  ``blocks``: a table that says
+    ``c128a_block_rows``: the C128A rows are read through vLLM's compressed block table
+    (no row of entries reserved or built)."""
     if group > 1:
         monkeypatch.setattr(sparse_mla, "prefill_group_size", lambda q: group)
     seed = fresh_seed()
@@ -220,7 +227,12 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
     total = int(batch["total"])  # type: ignore[call-overload]
     layer = _layer(ratio, HEADS, batch["topk_buffer"], g)  # type: ignore[arg-type]
     # a fresh runtime: it decides this kind (scratch sized for ``group``) at first contact
-    ours_cls = head_exact_cls(vllm_env.ours_cls, SERVING)
+    table = H200
+    if blocks:
+        table = dataclasses.replace(
+            H200, prefill=dataclasses.replace(H200.prefill, c128a_block_rows=True)
+        )
+    ours_cls = head_exact_cls(vllm_env.ours_cls, SERVING, table=table)
     swa = batch["swa"]
     num_decode_tokens = swa.num_decode_tokens  # type: ignore[attr-defined]
     q = (torch.randn(total, PADDED, 512, generator=g)).to(torch.bfloat16)
@@ -288,6 +300,14 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
     assert rt.prefill_scratch is not None and rt.prefill_scratch.spec.max_group == group
     plan = rt._step.plan
     assert plan is not None and plan.scratch is rt.prefill_scratch
+    # the C128A rows: vLLM's compressed block table read by the kernel, no row of entries
+    buffers = rt.prefill_scratch.buffers
+    assert plan.c128a_blocks is bool(blocks) and ("c128a0" in buffers) is (not blocks)
+    assert ("read through vLLM's block table" in rt.memory_line()) is bool(blocks)
+    if blocks:
+        built = [*plan._rows.values(), *plan._grouped.values()]
+        comps = [getattr(b[1], "comp", b[1]) for b in built]
+        assert any(isinstance(c, dk.BlockRows) for c in comps), comps
     # grouped rows where the group is wider than a token (never for C4A layers)
     assert bool(plan._grouped) == (group > 1) and bool(plan._rows) == (group == 1)
     prefill = slice(num_decode_tokens, total)

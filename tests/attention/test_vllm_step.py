@@ -32,6 +32,7 @@ import copy
 import threading
 import types
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -79,12 +80,14 @@ def head_exact_cls(
     plugin_cls: type,
     serving: ServingConfig = SERVING,
     switches: Switches = PREFILL_ONLY,
+    table: Any = None,
 ) -> type:
     """The plugin's construction over vLLM's FlashMLA class with a fresh runtime: the
-    device, measured table and access to vLLM of the runtime the plugin built
-    (``plugin_cls.dsv4_runtime``), this serving config and these switches."""
+    device, measured table (or ``table``) and access to vLLM of the runtime the plugin
+    built (``plugin_cls.dsv4_runtime``), this serving config and these switches."""
     built: HeadExactRuntime = plugin_cls.dsv4_runtime
-    runtime = HeadExactRuntime(serving, built.device, built.table, switches, built.access)
+    table = built.table if table is None else table
+    runtime = HeadExactRuntime(serving, built.device, table, switches, built.access)
     return make_attention_cls(plugin_cls.__mro__[1], runtime)
 
 

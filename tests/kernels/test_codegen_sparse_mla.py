@@ -54,3 +54,19 @@ def test_wide_head_blocks_build_for_sm90(variant: str) -> None:
     assert row["kernel"] == "_sparse_mla_wgmma_kernel", row
     assert row["stack_bytes"] == 0 and row["local_stores"] == 0, row
     assert row["sass_instructions"] > 1000, row
+
+
+# C128A rows read through the compressed block table (BlockRows: no [T, entries] row of
+# slots), per token and grouped: the same kernel with the table lookup in its gather
+@pytest.mark.parametrize("group", [0, 4])
+def test_block_rows_build_for_sm90(group: int) -> None:
+    out = run_module(
+        "benchmarks.support.compile_sm90", "--case", "c128a-flash-tp8-1x16384", "--group",
+        str(group), "--blocks",
+    )  # fmt: skip
+    (row,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert row["kernel"] == "_sparse_mla_wgmma_kernel" and row["blocks"] is True, row
+    if not group:  # per token: no spills and the 8-head register cap, as with slot rows
+        assert row["stack_bytes"] == 0 and row["local_stores"] == 0, row
+        assert row["registers"] <= 168, row
+    assert row["sass_instructions"] > 1000, row

@@ -589,3 +589,51 @@ def test_grouped_rows_with_requests_inside_groups(
     )  # fmt: skip
     _written(out, lse)
     cs.assert_close_attention((out, lse), want, f"grouped {group}, seed {seed}")
+
+
+@pytest.mark.parametrize("heads, group", [(8, 0), (16, 0), (8, 4), (16, 2)])
+@pytest.mark.parametrize("fresh", [False, True])
+def test_block_rows_equal_the_rows_of_slots(
+    heads: int, group: int, fresh: bool, gpu: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """C128A rows read through the compressed block table (``BlockRows``), per token and
+    grouped, through the wgmma kernel (no expansion): every element written, bit-equal to
+    the same call on the rows of slots (same keys in the same order), and a token sample
+    against the float32 reference; then replayed in a CUDA graph with new requests' rows
+    of the same shape."""
+    seed = fresh_seed()
+    inp = cs.make_inputs(_shape("c128a", heads, fresh=fresh), gpu, seed)
+    slots = inp.build_grouped(group) if group else inp.rows
+    blocks = inp.build_grouped(group, blocks=True) if group else inp.build_blocks()
+    assert isinstance(blocks.comp, dk.BlockRows)
+    if group:
+        _no_expansion(monkeypatch)
+    want = _outputs(inp)
+    inp.run_paged(*want, slots)
+    got = _outputs(inp)
+    inp.run_paged(*got, blocks)
+    _written(*got)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"seed {seed}"
+    tokens = cs.check_tokens(got[0].shape[0], gpu)
+    cs.assert_close_attention(
+        (got[0][tokens], got[1][tokens]), cs.reference_sample(inp, tokens), f"seed {seed}"
+    )
+    # capture with these rows, replay after the compressed block table was rewritten (its
+    # pages mapped to others of the cache: other keys, the same shapes)
+    graph = torch.cuda.CUDAGraph()
+    out, lse = _outputs(inp)
+    with torch.cuda.graph(graph):
+        inp.run_paged(out, lse, blocks)
+    table = inp.index_case.comp_block_table
+    g = torch.Generator(device=gpu).manual_seed(seed + 1)
+    perm = torch.randperm(inp.index_case.comp_num_pages, generator=g, device=gpu)
+    live = (table >= 0) & (table < perm.numel())  # past a request's pages: garbage ids
+    moved = perm[table.clamp(0, perm.numel() - 1).long()].to(table.dtype)
+    table.copy_(torch.where(live, moved, table))
+    ts.poison_outputs(out, lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    again = _outputs(inp)
+    inp.run_paged(*again, inp.build_grouped(group) if group else inp.index_case.build())
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1]), f"seed {seed}"
+    assert not torch.equal(out, got[0]), "the rewritten table did not change the keys"

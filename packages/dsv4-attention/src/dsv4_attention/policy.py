@@ -421,9 +421,13 @@ def decode_limits(facts: Sequence[LayerFacts]) -> tuple[int, int, int, int]:
     )
 
 
-def prefill_scratch_spec(facts: Sequence[LayerFacts], max_group: int) -> ScratchSpec:
+def prefill_scratch_spec(
+    facts: Sequence[LayerFacts], max_group: int, c128a_blocks: bool = False
+) -> ScratchSpec:
     """The largest prefill step of these layers: the token budget, their heads, the
-    widest group of grouped rows, and the row widths of the kinds present."""
+    widest group of grouped rows, and the row widths of the kinds present
+    (``c128a_blocks``: the C128A rows read through the block table, the table's
+    ``prefill.c128a_block_rows``)."""
     return ScratchSpec(
         max_tokens=max(f.max_tokens for f in facts),
         max_heads=max(f.heads for f in facts),
@@ -433,6 +437,7 @@ def prefill_scratch_spec(facts: Sequence[LayerFacts], max_group: int) -> Scratch
         c128a_width=max((f.c128a_width for f in facts if f.rows is RowKind.ALL), default=0),
         window_slots=WINDOW_ROW_SETS,
         c128a_slots=1,
+        c128a_blocks=int(c128a_blocks),
     )
 
 
@@ -442,7 +447,13 @@ def decode_warmup_tokens(max_tokens: int) -> tuple[int, ...]:
 
 
 def reserved_bytes(
-    serving: ServingConfig, heads: int, topk: int, *, max_group: int, sms: int
+    serving: ServingConfig,
+    heads: int,
+    topk: int,
+    *,
+    max_group: int,
+    sms: int,
+    c128a_blocks: bool = False,
 ) -> dict[str, int]:
     """The bytes the runtime reserves per GPU for a served configuration where every layer
     kind's prefill and decode are ours (the most it reserves): ``{"prefill": ...,
@@ -470,6 +481,6 @@ def reserved_bytes(
     tokens, h, row, window = decode_limits(kinds)
     sizes = decode_scratch_sizes(tokens, h, row, "cpu", window=window, sms=sms)
     return {
-        "prefill": scratch_bytes(prefill_scratch_spec(kinds, max_group)),
+        "prefill": scratch_bytes(prefill_scratch_spec(kinds, max_group, c128a_blocks)),
         "decode": 4 * sizes.total,
     }

@@ -93,6 +93,10 @@ class PrefillPlan:
             window KV from (vLLM's SWA bounded replay: ``prefill_seq_lens -
             prefill_gather_lens``); window rows start no lower.  None: position 0.
             The default of :meth:`layer_rows`, which takes each layer's own.
+        c128a_blocks: build C128A rows as :class:`dsv4_kernels.BlockRows` (each
+            token's length and request; the attention reads the compressed block table,
+            so no ``[tokens, entries]`` row is built).  None: the scratch's
+            ``spec.c128a_blocks`` (False without a scratch).
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class PrefillPlan:
         check_values: bool = False,
         scratch: PrefillScratch | None = None,
         window_floor: torch.Tensor | None = None,
+        c128a_blocks: bool | None = None,
     ) -> None:
         if left_visible is not None or right_visible is not None:
             raise ValueError(
@@ -129,6 +134,14 @@ class PrefillPlan:
         self._grouped: dict[tuple[Any, ...], tuple[torch.Tensor, Any]] = {}
         self.launches = 0  # index-build launches so far (for tests and logs)
         self.scratch = scratch
+        if c128a_blocks is None:
+            c128a_blocks = scratch is not None and bool(scratch.spec.c128a_blocks)
+        elif scratch is not None and c128a_blocks != bool(scratch.spec.c128a_blocks):
+            raise ValueError(
+                f"c128a_blocks={c128a_blocks} but the scratch was reserved with "
+                f"c128a_blocks={scratch.spec.c128a_blocks}"
+            )
+        self.c128a_blocks = bool(c128a_blocks)
         self._slots: dict[tuple[Any, ...], int] = {}
         self.evictions = 0  # row sets whose slot a later set took (for tests and logs)
 
@@ -178,10 +191,11 @@ class PrefillPlan:
             return {"comp_out": take("c4a", (T, width)), "comp_lens_out": take("c4a_lens", (T,))}
         assert key is not None
         slot = self._slot("c128a", key, self.scratch.spec.c128a_slots)
-        outs = {
-            "comp_out": take(f"c128a{slot}", (T, width)),
-            "comp_lens_out": take(f"c128a{slot}_lens", (T,)),
-        }
+        outs = {"comp_lens_out": take(f"c128a{slot}_lens", (T,))}
+        if self.c128a_blocks:
+            outs["req_out"] = take(f"c128a{slot}_req", (T,))
+        else:
+            outs["comp_out"] = take(f"c128a{slot}", (T, width))
         if group > 1:  # a grouped build writes each token's leader too
             outs["leads_out"] = take(f"c128a{slot}_leads", (T,))
         return outs
@@ -262,7 +276,8 @@ class PrefillPlan:
             )
         wkey = _table_key("window", window_block_table, window_block_size, *wextra)
         window = self._rows.get(wkey)
-        comp = comp_lens = None
+        comp: torch.Tensor | dk.BlockRows | None = None
+        comp_lens = None
         ckey = None
         if compress_ratio == 128:
             assert comp_block_table is not None and comp_block_size is not None
@@ -292,6 +307,7 @@ class PrefillPlan:
                 comp_block_size=comp_block_size if need_comp else None,
                 topk_indices=topk_indices if need_comp else None,
                 topk=c128a_topk if need_comp and compress_ratio == 128 else None,
+                comp_blocks=self.c128a_blocks and need_comp and compress_ratio == 128,
             )
             if window is None:
                 assert built.window is not None and built.window_lens is not None
@@ -352,6 +368,7 @@ class PrefillPlan:
                 topk=c128a_topk if ckey is not None and comp is None else None,
                 check_values=self.check_values,
                 window_floor=floor,
+                comp_blocks=self.c128a_blocks and ckey is not None and comp is None,
             )
             if window is None:
                 window = (window_block_table, built)

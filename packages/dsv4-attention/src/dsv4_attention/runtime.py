@@ -178,6 +178,9 @@ class HeadExactRuntime:
         self._captured = False  # a decode of ours was captured into a CUDA graph
         self._settled = False  # a step with metadata ran (vLLM's profile run is over)
         self.indexers = IndexerPart(self)  # the lightning indexer's decisions and scratch
+        # C128A rows read through the compressed block table where this GPU's table says
+        # it was measured (dsv4_kernels.BlockRows): no [tokens, entries] rows reserved
+        self._c128a_blocks = table is not None and table.prefill.c128a_block_rows
 
     # --- facts and decisions --------------------------------------------------------
 
@@ -274,7 +277,7 @@ class HeadExactRuntime:
             from dsv4_kernels import sparse_mla
 
             group = sparse_mla.prefill_group_size(q[:1, : facts.heads])
-            spec = policy.prefill_scratch_spec(prefill, group)
+            spec = policy.prefill_scratch_spec(prefill, group, self._c128a_blocks)
             try:
                 with workspace_pool(manager):
                     self.prefill_scratch = PrefillScratch(spec, device=q.device)
@@ -300,6 +303,8 @@ class HeadExactRuntime:
         mib = {k: v / (1 << 20) for k, v in self.reserved.items() if v}
         total = sum(mib.values())
         what = ", ".join(f"{k} scratch {v:.2f} MiB" for k, v in mib.items()) or "nothing"
+        if "prefill" in mib and self._c128a_blocks:
+            what += ", C128A rows read through vLLM's block table"
         s = self.serving
         line = (
             f"dsv4-attention: reserved {total:.2f} MiB per GPU in vLLM's profile run, in its "
@@ -367,7 +372,7 @@ class HeadExactRuntime:
         if self.prefill_scratch is None:
             return Choice(False, self._prefill_refusal)
         spec = self.prefill_scratch.spec
-        need = policy.prefill_scratch_spec([facts], spec.max_group)
+        need = policy.prefill_scratch_spec([facts], spec.max_group, self._c128a_blocks)
         if spec.merged(need) != spec:
             return Choice(False, f"the prefill scratch was reserved for {spec}, not {need}")
         return None
@@ -406,6 +411,7 @@ class HeadExactRuntime:
                     max_tokens=f.max_tokens,
                     topk_rows=f.topk_rows,
                     window=f.window,
+                    c128a_blocks=self._c128a_blocks,
                 )
             if state.decode.ours:
                 warm_up_decode(

@@ -15,7 +15,8 @@ Which buffers (all int32 but the lse):
   rows of the ``i``-th window block table seen in a step (vLLM puts DSV4's
   window caches in two KV-cache groups, so a step has two window tables);
 * ``c128a{i}`` / ``c128a{i}_lens`` / ``_leads``: the C128A rows of the ``i``-th
-  C128A table;
+  C128A table (with ``c128a_blocks``, ``c128a{i}_req`` instead of ``c128a{i}``: each
+  token's request, the rows read through the block table);
 * ``c4a`` / ``c4a_lens``: a C4A layer's top-k rows (rebuilt by every C4A
   layer, used at once);
 * ``lse``: ``[T, H]`` float32, written by the attention kernel.
@@ -80,6 +81,9 @@ class ScratchSpec:
             0 without C128A layers.
         window_slots: distinct window block tables per step.
         c128a_slots: distinct C128A block tables per step.
+        c128a_blocks: 1 when the C128A rows are read through the compressed block
+            table (:class:`dsv4_kernels.BlockRows`): each slot then holds each token's
+            length and request, not a ``[tokens, c128a_width]`` row of slots.
     """
 
     max_tokens: int
@@ -90,6 +94,7 @@ class ScratchSpec:
     c128a_width: int = 0
     window_slots: int = 2
     c128a_slots: int = 1
+    c128a_blocks: int = 0
 
     def merged(self, other: ScratchSpec) -> ScratchSpec:
         """The spec that covers both (elementwise maximum)."""
@@ -106,6 +111,7 @@ def _fields(spec: ScratchSpec) -> tuple[int, ...]:
         spec.c128a_width,
         spec.window_slots,
         spec.c128a_slots,
+        spec.c128a_blocks,
     )
 
 
@@ -123,7 +129,10 @@ def prefill_scratch_sizes(spec: ScratchSpec) -> dict[str, tuple[int, torch.dtype
         sizes["c4a_lens"] = (t, torch.int32)
     if spec.c128a_width:
         for i in range(spec.c128a_slots):
-            sizes[f"c128a{i}"] = (t * spec.c128a_width, torch.int32)
+            if spec.c128a_blocks:  # each token's request: the kernel reads the table
+                sizes[f"c128a{i}_req"] = (t, torch.int32)
+            else:
+                sizes[f"c128a{i}"] = (t * spec.c128a_width, torch.int32)
             sizes[f"c128a{i}_lens"] = (t, torch.int32)
             sizes[f"c128a{i}_leads"] = (t, torch.int32)
     return sizes

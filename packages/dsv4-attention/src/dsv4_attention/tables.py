@@ -66,6 +66,9 @@ class PrefillLimits:
     native_topk_max_heads: int = 0  # top-k rows (C4A, V4.1) against the native-head call
     native_shared_keys_max_heads: int = 0  # SWA-only and C128A against it
     native_faster_heads: tuple[int, ...] = ()
+    # C128A rows read through the compressed block table (dsv4_kernels.BlockRows): no
+    # [tokens, entries] row of slots reserved or built; taken once measured on the GPU
+    c128a_block_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,13 @@ def _indexer_table(raw: object) -> IndexerTable | None:
     )
 
 
+def _flag(value: object) -> bool:
+    """A table's yes/no entry: a JSON boolean, nothing else."""
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {value!r}")
+    return value
+
+
 def parse_table(data: Mapping[str, object], name: str = "<table>") -> MeasuredTable:
     """A :class:`MeasuredTable` from a table file's JSON; ``ValueError`` naming the file
     and the field when one is missing or of the wrong type."""
@@ -259,6 +269,7 @@ def parse_table(data: Mapping[str, object], name: str = "<table>") -> MeasuredTa
                 native_faster_heads=tuple(
                     int(h) for h in native.get("faster_than_padded_heads", ())
                 ),
+                c128a_block_rows=_flag(prefill.get("c128a_block_rows", False)),
             ),
             decode=DecodeTable(
                 requires_wgmma=bool(decode["requires_wgmma"]),

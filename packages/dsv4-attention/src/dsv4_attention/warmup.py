@@ -84,6 +84,7 @@ def warm_up_prefill(
     topk_rows: bool | None = None,
     window: int = 128,
     window_floor: bool = True,
+    c128a_blocks: bool = False,
 ) -> float:
     """Run one layer's head-exact prefill on a tiny batch; seconds it took (the compile).
 
@@ -99,6 +100,8 @@ def warm_up_prefill(
         window_floor: build the rows with a window floor, as serving does wherever vLLM's
             metadata has gather lengths (every DSV4 release here): the index kernel is
             compiled with and without one, so the variant serving launches is this one.
+        c128a_blocks: C128A rows read through the block table, as serving builds them
+            when the table says so (the attention kernel compiles a variant for it).
     """
     if topk_rows is None:
         topk_rows = compress_ratio == 4
@@ -130,7 +133,7 @@ def warm_up_prefill(
             floor = (seq - torch.tensor(query_lens, device=device) - (window - 1)).clamp(min=0)
         forward_prefill(
             q,
-            PrefillPlan(qsl, seq, num_tokens=tokens, window_size=window),
+            PrefillPlan(qsl, seq, num_tokens=tokens, window_size=window, c128a_blocks=c128a_blocks),
             compress_ratio=compress_ratio,
             scale=HEAD_DIM**-0.5,
             swa_cache=swa_cache,

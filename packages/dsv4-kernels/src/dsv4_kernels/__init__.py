@@ -26,6 +26,7 @@ from .kv_cache import (
 )
 from .metadata import combine_topk_swa_indices, compute_global_topk_indices_and_lens
 from .prefill_indices import (
+    BlockRows,
     GroupedPrefillIndices,
     PrefillIndices,
     build_grouped_prefill_indices,
@@ -34,6 +35,7 @@ from .prefill_indices import (
 from .sparse_mla import sparse_mla_paged, sparse_mla_workspace
 
 __all__ = [
+    "BlockRows",
     "DecodeScratch",
     "DecodeScratchSizes",
     "GroupedPrefillIndices",

@@ -88,11 +88,18 @@ def _gather(
     SLOTS: gl.constexpr,
     BN: gl.constexpr,
     L_CODE: gl.constexpr,
+    BLOCKS: gl.constexpr = False,
 ):
-    """Pointers and validity of keys ``start .. start + BN`` of an index row."""
+    """Pointers and validity of keys ``start .. start + BN`` of an index row (``BLOCKS``:
+    of a block table's row, key ``c`` at slot ``row[c // SLOTS] * SLOTS + c % SLOTS``, a
+    negative page id a hole; :class:`~dsv4_kernels.BlockRows`)."""
     n = gl.arange(0, BN, layout=gl.SliceLayout(1, L_CODE))
     col = start + n
-    idx = gl.load(idx_row_ptr + col, mask=col < length, other=-1).to(gl.int64)
+    if BLOCKS:
+        page_id = gl.load(idx_row_ptr + col // SLOTS, mask=col < length, other=-1).to(gl.int64)
+        idx = gl.where(page_id >= 0, page_id * SLOTS + col % SLOTS, -1)
+    else:
+        idx = gl.load(idx_row_ptr + col, mask=col < length, other=-1).to(gl.int64)
     ok = (idx >= 0) & (idx < num_rows)
     page = idx // SLOTS
     in_page = idx % SLOTS
@@ -205,6 +212,7 @@ def _attend_source(
     REG_A: gl.constexpr,
     PER_ROW: gl.constexpr,
     L_ACC: gl.constexpr,
+    BLOCKS: gl.constexpr = False,
 ):
     """Online softmax over columns ``lo .. length`` of one key source (tiles of ``BN``
     keys), from the first tile's index entries as :func:`_gather` returns them (``ok``,
@@ -233,6 +241,7 @@ def _attend_source(
         # tile's math (measured the same as after it: run 7)
         ok, data, scales = _gather(
             src_ptr, idx_row_ptr, start + BN, length, row_stride, num_rows, SLOTS, BN, L_CODE,
+            BLOCKS,
         )  # fmt: skip
         if ASYNC_PV:  # the previous tile's P V must be done before its tile is overwritten
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
@@ -355,6 +364,16 @@ def _row_range(len_ptr, start_ptr, width, tok, row_ok,
     return gl.where(row_ok, lo, width), gl.where(row_ok, hi, 0)
 
 
+@gluon.jit
+def _block_row(req_ptr, token, BLOCKS: gl.constexpr):
+    """The row of a source's index rows that ``token`` reads: its own, or with ``BLOCKS``
+    its request's row of the block table (``req_ptr[token]``)."""
+    row = token
+    if BLOCKS:
+        row = gl.load(req_ptr + token).to(gl.int64)
+    return row
+
+
 @gluon.jit(do_not_specialize=[*RUNTIME_ARGS, "lead_ptr", "a_start_ptr", "b_start_ptr"])
 def _sparse_mla_wgmma_kernel(
     q_ptr, out_ptr, lse_ptr, sink_ptr,
@@ -370,6 +389,7 @@ def _sparse_mla_wgmma_kernel(
     HT: gl.constexpr, ASYNC_PV: gl.constexpr, REG_A: gl.constexpr, IO_VEC: gl.constexpr,
     G: gl.constexpr = 1, A_HAS_STARTS: gl.constexpr = False,
     B_HAS_STARTS: gl.constexpr = False, WG: gl.constexpr = 1, HBLOCKS: gl.constexpr = 1,
+    b_req_ptr=None, B_BLOCKS: gl.constexpr = False,
 ):  # fmt: skip
     """One program per query token (``G == 1``) or per ``G`` consecutive tokens that share
     key rows: token ``t`` reads the rows of token ``lead_ptr[t]`` (its leader, at or
@@ -430,13 +450,13 @@ def _sparse_mla_wgmma_kernel(
             b_end = b_width
             if B_HAS_LENS:
                 b_end = gl.minimum(gl.load(b_len_ptr + first), b_width)
-            b_row = b_idx_ptr + first * b_idx_stride
+            b_row = b_idx_ptr + _block_row(b_req_ptr, first, B_BLOCKS) * b_idx_stride
             ok, data, scales = _gather(b_src_ptr, b_row, 0, b_end, b_row_stride, b_num_rows,
-                                       B_SLOTS, BN, L_CODE)  # fmt: skip
+                                       B_SLOTS, BN, L_CODE, B_BLOCKS)  # fmt: skip
             acc, m_i, l_i = _attend_source(
                 acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_row, 0, b_end, b_end, b_end,
                 b_row_stride, b_num_rows, qk_scale, ok, data, scales, B_SLOTS, BN, HP,
-                L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False, L_ACC,
+                L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, False, L_ACC, B_BLOCKS,
             )  # fmt: skip
     else:
         # One pass per leader among the group's tokens (one, unless a request starts
@@ -464,15 +484,16 @@ def _sparse_mla_wgmma_kernel(
                 if HAS_B:
                     b_lo, b_hi = _row_range(b_len_ptr, b_start_ptr, b_width, ts, mine,
                                             B_HAS_LENS, B_HAS_STARTS)  # fmt: skip
-                    b_row = b_idx_ptr + leader * b_idx_stride
+                    b_row = b_idx_ptr + _block_row(b_req_ptr, leader, B_BLOCKS) * b_idx_stride
                     b0 = gl.min(b_lo, axis=0)
                     b1 = gl.max(b_hi, axis=0)
                     ok, data, scales = _gather(b_src_ptr, b_row, b0, b1, b_row_stride,
-                                               b_num_rows, B_SLOTS, BN, L_CODE)  # fmt: skip
+                                               b_num_rows, B_SLOTS, BN, L_CODE,
+                                               B_BLOCKS)  # fmt: skip
                     acc, m_i, l_i = _attend_source(
                         acc, m_i, l_i, q_smem, k_smem, p_smem, b_src_ptr, b_row, b0, b1, b_lo,
                         b_hi, b_row_stride, b_num_rows, qk_scale, ok, data, scales, B_SLOTS,
-                        BN, HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, True, L_ACC,
+                        BN, HP, L_CODE, L_ROPE, L_MMA, ASYNC_PV, REG_A, True, L_ACC, B_BLOCKS,
                     )  # fmt: skip
 
     LN2: gl.constexpr = 0.6931471805599453

@@ -34,10 +34,10 @@ import triton
 
 from . import _triton_decode as _kd
 from . import _triton_sparse_mla as _k
-from ._sparse_mla_checks import _check_rows, _Grouping
+from ._sparse_mla_checks import _check_block_rows, _check_rows, _Grouping
 from ._sparse_mla_tiles import MAX_GROUP_ROWS, TILES, TileTable, block_h, group_rows, head_class
 from ._validation import check_page_cache, check_positive_int, interpreter_enabled
-from .reference.prefill_indices import expand_grouped_rows
+from .reference.prefill_indices import BlockRows, expand_grouped_rows
 
 LOG2E = 1.4426950408889634
 WGMMA_MAX_HEADS = 16  # the wgmma kernels pad the heads to wgmma's N, 8 or 16
@@ -109,23 +109,39 @@ class KeySource:
     """One source of keys as the kernels read it (validated; never synchronises)."""
 
     cache: torch.Tensor  # FP8 pages (uint8 view); for sparse_mla_workspace bf16 rows [N, 512]
-    rows: torch.Tensor  # [T, K] int32 slots (workspace: row numbers); negative: a hole
+    # [T, K] int32 slots (workspace: row numbers); negative: a hole.  With ``req``: a block
+    # table [R, P] (token t's row: request req[t]'s entries 0.., BlockRows)
+    rows: torch.Tensor
     lens: torch.Tensor | None  # [T] int32 columns that count; None: all K
     page_size: int  # slots per page (workspace: 1)
     page_stride: int  # bytes between two pages (workspace: elements between two rows)
     num_slots: int  # slots in the cache (workspace: rows); larger indices are holes
+    req: torch.Tensor | None = None  # [T] int32: each token's block-table row (BlockRows)
 
     @property
     def width(self) -> int:
-        return int(self.rows.shape[1])
+        """Columns of a row: its slots, or a block table's pages times their entries."""
+        cols = int(self.rows.shape[1])
+        return cols * self.page_size if self.req is not None else cols
+
+    def slot_rows(self, num_tokens: int) -> torch.Tensor:
+        """The rows as ``[T, width]`` slots (block rows expanded; for the references)."""
+        if self.req is None:
+            return self.rows
+        return BlockRows(self.rows, self.req).slots(self.page_size, num_tokens)
 
     def per_token(
         self, leads: torch.Tensor, starts: torch.Tensor | None, num_tokens: int
     ) -> KeySource:
         """Grouped rows (token ``t`` reads its leader's row from ``starts[t]``) expanded
-        to the equivalent per-token rows and lengths."""
-        rows, lens = expand_grouped_rows(leads, self.rows, self.lens, starts, num_tokens)
-        return dataclasses.replace(self, rows=rows, lens=lens)
+        to the equivalent per-token rows and lengths.  Block rows from column 0 stay block
+        rows (the leader's request; each token keeps its own length)."""
+        if self.req is not None and starts is None:
+            req = self.req[leads[:num_tokens].long()]
+            return dataclasses.replace(self, req=req)
+        rows = self.slot_rows(num_tokens)
+        rows, lens = expand_grouped_rows(leads, rows, self.lens, starts, num_tokens)
+        return dataclasses.replace(self, rows=rows, lens=lens, req=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +177,14 @@ class PagedKeys:
         """The keys as the keyword arguments of the public functions (and of their
         references in :mod:`dsv4_kernels.reference`)."""
         a, b = self.window, self.comp
+        T = a.rows.shape[0]
         return dict(
             swa_cache=a.cache,
             swa_indices=a.rows,
             swa_lens=a.lens,
             swa_block_size=a.page_size,
             comp_cache=None if b is None else b.cache,
-            comp_indices=None if b is None else b.rows,
+            comp_indices=None if b is None else b.slot_rows(T),
             comp_lens=None if b is None else b.lens,
             comp_block_size=None if b is None else b.page_size,
         )
@@ -179,17 +196,19 @@ def check_paged_keys(
     swa_lens: torch.Tensor | None,
     swa_block_size: int | None,
     comp_cache: torch.Tensor | PageView | None,
-    comp_indices: torch.Tensor | None,
+    comp_indices: torch.Tensor | BlockRows | None,
     comp_lens: torch.Tensor | None,
     comp_block_size: int | None,
     num_tokens: int,
     device: torch.device,
+    block_rows: bool = False,
 ) -> PagedKeys:
     """The key arguments of :func:`.sparse_mla_paged` and :func:`.sparse_mla_decode`,
     checked: each failure is a ``ValueError`` naming the argument and what was expected
     (shapes, dtypes, devices and Python ints only, never a GPU synchronisation).  A
     cache given as a :class:`PageView` was checked when it was made and is not
-    checked again."""
+    checked again.  ``block_rows``: ``comp_indices`` may be a
+    :class:`~dsv4_kernels.BlockRows` (the prefill's C128A rows; not the decode's)."""
     a = _page_view("swa_cache", swa_cache, "swa_block_size", swa_block_size, device)
     a_idx, a_lens = _check_rows(
         "swa_indices", swa_indices, "swa_lens", swa_lens, num_tokens, device
@@ -209,6 +228,17 @@ def check_paged_keys(
     if comp_cache is None:
         return PagedKeys(window)
     b = _page_view("comp_cache", comp_cache, "comp_block_size", comp_block_size, device)
+    if isinstance(comp_indices, BlockRows):
+        if not block_rows:
+            raise ValueError(
+                "comp_indices must be a [T, K] int32 tensor of global slots here (BlockRows "
+                "are taken by sparse_mla_paged's prefill only)"
+            )
+        table, req, lens = _check_block_rows(
+            "comp_indices", comp_indices, "comp_lens", comp_lens, num_tokens, device
+        )
+        comp = KeySource(b.cache, table, lens, b.page_size, b.page_stride, b.num_slots, req)
+        return PagedKeys(window, comp)
     b_idx, b_lens = _check_rows(
         "comp_indices", comp_indices, "comp_lens", comp_lens, num_tokens, device
     )
@@ -330,6 +360,15 @@ def _source_meta(keys: PagedKeys) -> dict[str, Any]:
     )
 
 
+def _block_meta(keys: PagedKeys) -> dict[str, Any]:
+    """The per-token kernels' block-rows arguments: only when the compressed source is
+    given as a block table (the other calls compile and launch exactly as before)."""
+    b = keys.comp
+    if b is None or b.req is None:
+        return {}
+    return dict(b_req_ptr=b.req, B_BLOCKS=True)
+
+
 def launch(
     q: torch.Tensor,
     out: torch.Tensor,
@@ -376,7 +415,7 @@ def launch(
         lse.stride(0),
         scale * LOG2E,
     )
-    sources = dict(**_source_meta(keys), HAS_SINK=sink is not None)
+    sources = dict(**_source_meta(keys), HAS_SINK=sink is not None, **_block_meta(keys))
     aligned = keys.aligned
     fits = grouping is None or (
         grouping[1] > 1 and H <= WGMMA_MAX_HEADS and group_rows(H, grouping[1]) <= MAX_GROUP_ROWS

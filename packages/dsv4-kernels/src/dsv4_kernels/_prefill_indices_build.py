@@ -21,7 +21,7 @@ from ._validation import (
     use_triton,
 )
 from .geometry import RowKind, row_kind, slots_per_page
-from .reference.prefill_indices import GroupedPrefillIndices, PrefillIndices
+from .reference.prefill_indices import BlockRows, GroupedPrefillIndices, PrefillIndices
 
 # Tile sizes (compile-time constants; not yet tuned on a GPU).
 BLOCK_T = 8
@@ -98,9 +98,13 @@ def _build(
     leads_out: torch.Tensor | None = None,
     starts_out: torch.Tensor | None = None,
     window_floor: torch.Tensor | None = None,
+    comp_blocks: bool = False,
+    req_out: torch.Tensor | None = None,
 ) -> PrefillIndices | GroupedPrefillIndices:
     """:func:`build_prefill_indices` (``group == 1``) and
-    :func:`build_grouped_prefill_indices` (``group > 1``): checks, then one launch."""
+    :func:`build_grouped_prefill_indices` (``group > 1``): checks, then one launch.
+    ``comp_blocks``: C128A rows as :class:`~dsv4_kernels.BlockRows` (the lengths and each
+    token's request, written into ``req_out``; no row of entries)."""
     check_tensor("query_start_loc", query_start_loc, dtype=INDEX_DTYPES, ndim=1)
     device = query_start_loc.device
     if query_start_loc.shape[0] < 1:
@@ -177,6 +181,16 @@ def _build(
             "nothing to build: give window_block_table and/or a compressed row (top-k rows "
             "with topk_indices, or compress_ratio 128)"
         )
+    if comp_blocks and mode != int(RowKind.ALL):
+        raise ValueError(
+            "comp_blocks is only for C128A rows (compress_ratio 128, every entry so far); "
+            f"got {'no compressed row' if mode == 0 else 'top-k rows'}"
+        )
+    if comp_blocks and comp_out is not None:
+        raise ValueError("comp_out must be None with comp_blocks (no row of slots is written)")
+    if req_out is not None and not comp_blocks:
+        raise ValueError("req_out is only meaningful with comp_blocks")
+    check_out("req_out", req_out, (num_tokens,), torch.int32, device, allow_more_rows=True)
     if group > 1 and mode == 1:
         raise ValueError(
             "C4A rows (top-k rows: one top-k per token) cannot be grouped: build them per token"
@@ -216,6 +230,8 @@ def _build(
             comp_block_size=comp_block_size,
             topk=topk if mode else None,
             window_floor=window_floor,
+            comp_blocks=comp_blocks,
+            req_out=req_out,
         )
         if grouped:
             rows = ref.build_grouped_prefill_indices(
@@ -251,9 +267,11 @@ def _build(
     if has_window:
         win = alloc(window_out, (num_tokens, window_size + group - 1))
         win_lens = alloc(window_lens_out, (num_tokens,))
+    comp_rows: torch.Tensor | BlockRows | None = None
     if mode:
-        comp = alloc(comp_out, (num_tokens, topk))
+        comp = alloc(req_out, (num_tokens,)) if comp_blocks else alloc(comp_out, (num_tokens, topk))
         comp_lens = alloc(comp_lens_out, (num_tokens,))
+        comp_rows = BlockRows(comp_block_table, comp) if comp_blocks else comp  # type: ignore[arg-type]
     leads = alloc(leads_out, (num_tokens,)) if group > 1 else None
     starts = None
     if group > 1 and has_window:
@@ -261,12 +279,12 @@ def _build(
 
     def result() -> PrefillIndices | GroupedPrefillIndices:
         if not grouped:
-            return PrefillIndices(win, win_lens, comp, comp_lens)
+            return PrefillIndices(win, win_lens, comp_rows, comp_lens)
         if leads is None:  # groups of one token: each leads itself from column 0
             ones = torch.arange(num_tokens, dtype=torch.int32, device=device)
             zeros = torch.zeros_like(ones) if has_window else None
-            return GroupedPrefillIndices(ones, 1, win, zeros, win_lens, comp, comp_lens)
-        return GroupedPrefillIndices(leads, group, win, starts, win_lens, comp, comp_lens)
+            return GroupedPrefillIndices(ones, 1, win, zeros, win_lens, comp_rows, comp_lens)
+        return GroupedPrefillIndices(leads, group, win, starts, win_lens, comp_rows, comp_lens)
 
     if num_tokens == 0:
         return result()
@@ -274,7 +292,7 @@ def _build(
     # Unused pointer arguments get any int32 tensor of the call.
     any_i32 = seq_lens
     win_tiles = triton.cdiv(window_size + group - 1, BLOCK_C) if has_window else 0
-    comp_tiles = triton.cdiv(topk, BLOCK_C) if mode else 0
+    comp_tiles = (1 if comp_blocks else triton.cdiv(topk, BLOCK_C)) if mode else 0
     grid = (triton.cdiv(num_tokens, BLOCK_T), max(1, win_tiles + comp_tiles))
     _k._prefill_indices_kernel[grid](
         query_start_loc,
@@ -293,7 +311,7 @@ def _build(
         comp_block_table.stride(0) if mode else 0,  # type: ignore[union-attr]
         topk_indices.stride(0) if mode == 1 else 0,  # type: ignore[union-attr]
         win.stride(0) if win is not None else 0,
-        comp.stride(0) if comp is not None else 0,
+        comp.stride(0) if comp is not None and not comp_blocks else 0,
         num_tokens,
         num_reqs,
         window_block_table.shape[1] if has_window else 0,  # type: ignore[union-attr]
@@ -305,7 +323,7 @@ def _build(
         COMP_BS=comp_block_size if mode else 1,
         RATIO=ratio,
         HAS_WINDOW=has_window,
-        COMP_MODE=mode,
+        COMP_MODE=3 if comp_blocks else mode,
         BLOCK_T=BLOCK_T,
         BLOCK_C=BLOCK_C,
         BLOCK_R=BLOCK_R,
@@ -324,7 +342,7 @@ def _copy_into(rows: GroupedPrefillIndices, *outs: torch.Tensor | None) -> Group
     values.append(rows.comp_lens)
     placed = []
     for value, out in zip(values, outs, strict=True):
-        if value is None or out is None:
+        if value is None or out is None or isinstance(value, BlockRows):
             placed.append(value)
             continue
         view = out[: value.shape[0]]

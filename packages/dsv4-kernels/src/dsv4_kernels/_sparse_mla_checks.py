@@ -11,6 +11,7 @@ import torch
 
 from ._validation import check_out, check_positive_int, check_tensor
 from .geometry import HEAD_DIM, NOPE_DIM
+from .reference.prefill_indices import BlockRows
 
 MAX_HEADS = 128
 
@@ -63,6 +64,37 @@ def _check_rows(
             f"{lens_name} must have {num_tokens} entries (one per query token), got {ln.shape[0]}"
         )
     return idx, ln
+
+
+def _check_block_rows(
+    name: str,
+    rows: BlockRows,
+    lens_name: str,
+    lens: object,
+    num_tokens: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A :class:`~dsv4_kernels.BlockRows` argument: (block table, requests, lengths)."""
+    table = check_tensor(f"{name}.block_table", rows.block_table, dtype=torch.int32, ndim=2,
+                         device=device)  # fmt: skip
+    if table.shape[1] > 1 and table.stride(1) != 1:
+        raise ValueError(f"{name}.block_table must be contiguous in its last dimension")
+    req = check_tensor(f"{name}.req", rows.req, dtype=torch.int32, ndim=1, device=device)
+    if req.shape[0] < num_tokens:
+        raise ValueError(
+            f"{name}.req must have >= {num_tokens} entries (one per query token), got "
+            f"{req.shape[0]}"
+        )
+    if lens is None:
+        raise ValueError(
+            f"{lens_name} is needed with BlockRows (how many entries each token reads)"
+        )
+    ln = check_tensor(lens_name, lens, dtype=torch.int32, ndim=1, device=device)
+    if ln.shape[0] != num_tokens:
+        raise ValueError(
+            f"{lens_name} must have {num_tokens} entries (one per query token), got {ln.shape[0]}"
+        )
+    return table, req[:num_tokens], ln
 
 
 def _check_sink_and_outputs(

@@ -81,7 +81,7 @@ def _prefill_indices_kernel(
     topk_ptr,  # [>= num_tokens, >= topk] int32 (COMP_MODE == 1)
     win_ptr,  # [num_tokens, WINDOW] int32
     win_lens_ptr,  # [num_tokens] int32
-    comp_ptr,  # [num_tokens, topk] int32
+    comp_ptr,  # [num_tokens, topk] int32 (COMP_MODE 3: [num_tokens], each token's request)
     comp_lens_ptr,  # [num_tokens] int32
     lead_ptr,  # [num_tokens] int32 (GROUP > 1): each token's leader
     win_starts_ptr,  # [num_tokens] int32 (GROUP > 1 with HAS_WINDOW)
@@ -104,7 +104,9 @@ def _prefill_indices_kernel(
     COMP_BS: tl.constexpr,
     RATIO: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-    COMP_MODE: tl.constexpr,  # 0: no compressed row, 1: map top-k (C4A), 2: generate (C128A)
+    # 0: no compressed row, 1: map top-k (C4A), 2: generate (C128A), 3: C128A as block
+    # rows (lengths and each token's request only; the attention reads the block table)
+    COMP_MODE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -169,21 +171,26 @@ def _prefill_indices_kernel(
             topk_len = tl.minimum(tl.maximum((pos + 1) // RATIO, 0), topk)
             if pid_c == win_tiles:
                 tl.store(comp_lens_ptr + toks, topk_len, mask=tok_ok)
-            c = ((pid_c - win_tiles) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
-            if GROUP > 1:  # every entry of the request (C128A: later tokens' prefixes)
-                entries = tl.minimum(tl.maximum(seq_len // RATIO, 0), topk)
-                live = (c < entries[:, None]) & tok_ok[:, None]
-            else:
-                live = (c < topk_len[:, None]) & tok_ok[:, None]
-            if COMP_MODE == 1:
-                entry = tl.load(topk_ptr + rows64 * topk_stride + c, mask=live, other=-1)
-            else:
-                entry = c + tl.zeros([BLOCK_T, 1], dtype=tl.int32)
-            slot = _slots(
-                comp_table_ptr + req64 * comp_table_stride,
-                entry,
-                live,
-                comp_pages,
-                COMP_BS,
-            )
-            tl.store(comp_ptr + rows64 * comp_stride + c, slot, mask=tok_ok[:, None] & (c < topk))
+                if COMP_MODE == 3:
+                    tl.store(comp_ptr + toks, req, mask=tok_ok)
+            if COMP_MODE < 3:  # the row of slots (3: the attention reads the table)
+                c = ((pid_c - win_tiles) * BLOCK_C + tl.arange(0, BLOCK_C))[None, :]
+                if GROUP > 1:  # every entry of the request (C128A: later tokens' prefixes)
+                    entries = tl.minimum(tl.maximum(seq_len // RATIO, 0), topk)
+                    live = (c < entries[:, None]) & tok_ok[:, None]
+                else:
+                    live = (c < topk_len[:, None]) & tok_ok[:, None]
+                if COMP_MODE == 1:
+                    entry = tl.load(topk_ptr + rows64 * topk_stride + c, mask=live, other=-1)
+                else:
+                    entry = c + tl.zeros([BLOCK_T, 1], dtype=tl.int32)
+                slot = _slots(
+                    comp_table_ptr + req64 * comp_table_stride,
+                    entry,
+                    live,
+                    comp_pages,
+                    COMP_BS,
+                )
+                tl.store(
+                    comp_ptr + rows64 * comp_stride + c, slot, mask=tok_ok[:, None] & (c < topk)
+                )

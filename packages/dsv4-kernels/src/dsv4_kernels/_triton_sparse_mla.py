@@ -78,8 +78,11 @@ def _load_raw(
     ALIGNED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WORDS: tl.constexpr = False,
+    BLOCKS: tl.constexpr = False,
 ):
     """The bytes of keys ``start .. start + BLOCK_N`` of an index row: (ok, a, b, sbytes).
+    ``BLOCKS``: the row is a block table's row (key ``c``: slot ``row[c // SLOTS] * SLOTS +
+    c % SLOTS``; a negative page id is a hole), as :class:`~dsv4_kernels.BlockRows`.
 
     Paged: ``a`` the FP8 codes ``[BLOCK_N, 8, 64]`` uint8 (block 7 zero),
     ``b`` the rope in block 7 of a ``[BLOCK_N, 8, 64]`` bf16 tile, ``sbytes``
@@ -88,7 +91,11 @@ def _load_raw(
     """
     n = tl.arange(0, BLOCK_N)
     col = start + n
-    idx = tl.load(idx_row_ptr + col, mask=col < length, other=-1).to(tl.int64)
+    if BLOCKS:
+        page_id = tl.load(idx_row_ptr + col // SLOTS, mask=col < length, other=-1).to(tl.int64)
+        idx = tl.where(page_id >= 0, page_id * SLOTS + col % SLOTS, -1)
+    else:
+        idx = tl.load(idx_row_ptr + col, mask=col < length, other=-1).to(tl.int64)
     ok = (idx >= 0) & (idx < num_rows)
     if PAGED:
         page = idx // SLOTS
@@ -213,19 +220,20 @@ def _attend_source(
     PREFETCH: tl.constexpr,
     BF16_DEQUANT: tl.constexpr,
     WORDS: tl.constexpr = False,
+    BLOCKS: tl.constexpr = False,
 ):
     """Online softmax over one key source; with ``PREFETCH`` the next tile's bytes are
     requested before this tile's math, so loads overlap compute within a program."""
     if PREFETCH:
         ok, a, b, sb = _load_raw(
             src_ptr, idx_row_ptr, 0, length, row_stride, num_rows, SLOTS, PAGED, ALIGNED, BLOCK_N,
-            WORDS,
+            WORDS, BLOCKS,
         )  # fmt: skip
     for start in range(0, length, BLOCK_N):
         # with PREFETCH the next tile's bytes (this tile's came one step earlier)
         n_ok, n_a, n_b, n_sb = _load_raw(
             src_ptr, idx_row_ptr, start + BLOCK_N if PREFETCH else start, length, row_stride,
-            num_rows, SLOTS, PAGED, ALIGNED, BLOCK_N, WORDS,
+            num_rows, SLOTS, PAGED, ALIGNED, BLOCK_N, WORDS, BLOCKS,
         )  # fmt: skip
         if not PREFETCH:
             ok, a, b, sb = n_ok, n_a, n_b, n_sb
@@ -336,6 +344,8 @@ def _sparse_mla_kernel(
     BF16_DEQUANT: tl.constexpr,
     A_WORDS: tl.constexpr = False,  # FP8 codes of source A as int32 words through inline PTX
     B_WORDS: tl.constexpr = False,  # the same for source B (aligned pages, CUDA only)
+    b_req_ptr=None,  # [T] int32 (B_BLOCKS): each token's row of source B's block table
+    B_BLOCKS: tl.constexpr = False,  # source B's rows are a block table (BlockRows)
 ):
     pid = tl.program_id(0)
     t = (pid // HEAD_BLOCKS).to(tl.int64)
@@ -356,10 +366,13 @@ def _sparse_mla_kernel(
         b_len = b_width
         if B_HAS_LENS:
             b_len = tl.minimum(tl.load(b_len_ptr + t), b_width)
+        b_row = t
+        if B_BLOCKS:
+            b_row = tl.load(b_req_ptr + t).to(tl.int64)
         acc, m_i, l_i = _attend_source(  # the compressed source is always paged
-            acc, m_i, l_i, q, b_src_ptr, b_idx_ptr + t * b_idx_stride, b_len, b_row_stride,
+            acc, m_i, l_i, q, b_src_ptr, b_idx_ptr + b_row * b_idx_stride, b_len, b_row_stride,
             b_num_rows, qk_scale, B_SLOTS, True, ALIGNED, BLOCK_N, DOT_FP32, PREFETCH, BF16_DEQUANT,
-            B_WORDS,
+            B_WORDS, B_BLOCKS,
         )  # fmt: skip
 
     factor, lse = _finish(m_i, l_i, sink_ptr, heads, h_ok, HAS_SINK)

@@ -49,9 +49,10 @@ import torch
 from ._prefill_indices_build import _build
 from ._validation import check_positive_int
 from .geometry import SWA_BLOCK_SIZE, WINDOW_SIZE
-from .reference.prefill_indices import GroupedPrefillIndices, PrefillIndices
+from .reference.prefill_indices import BlockRows, GroupedPrefillIndices, PrefillIndices
 
 __all__ = [
+    "BlockRows",
     "GroupedPrefillIndices",
     "PrefillIndices",
     "build_grouped_prefill_indices",
@@ -78,6 +79,8 @@ def build_prefill_indices(
     comp_lens_out: torch.Tensor | None = None,
     check_values: bool = False,
     window_floor: torch.Tensor | None = None,
+    comp_blocks: bool = False,
+    req_out: torch.Tensor | None = None,
 ) -> PrefillIndices:
     """Build a prefill chunk's window and/or compressed rows of global cache slots, in one launch.
 
@@ -122,6 +125,12 @@ def build_prefill_indices(
             request holds window KV from (vLLM's SWA bounded replay after a prefix
             hit: ``seq_lens - prefill_gather_lens``); window rows start no lower.
             None: position 0.
+        comp_blocks: C128A only: return the compressed rows as
+            :class:`~dsv4_kernels.BlockRows` (``comp_block_table`` and each token's
+            request, written into ``req_out``) with their ``comp_lens``, and write no
+            ``[T, topk]`` row of slots: :func:`dsv4_kernels.sparse_mla_paged` reads the
+            block table itself, so a long context needs no buffer of tokens x entries.
+        req_out: optional ``[>= num_tokens]`` int32 output for ``comp_blocks``.
 
     Returns:
         :class:`PrefillIndices` ``(window [T, W], window_lens [T], comp [T,
@@ -152,6 +161,8 @@ def build_prefill_indices(
         check_values=check_values,
         group=1,
         window_floor=window_floor,
+        comp_blocks=comp_blocks,
+        req_out=req_out,
     )  # type: ignore[return-value]
 
 
@@ -175,6 +186,8 @@ def build_grouped_prefill_indices(
     starts_out: torch.Tensor | None = None,
     check_values: bool = False,
     window_floor: torch.Tensor | None = None,
+    comp_blocks: bool = False,
+    req_out: torch.Tensor | None = None,
 ) -> GroupedPrefillIndices:
     """Grouped index rows for SWA-only and C128A layers, whose consecutive tokens share keys.
 
@@ -191,8 +204,9 @@ def build_grouped_prefill_indices(
     Args:
         query_start_loc, seq_lens, num_tokens, window_block_table,
             window_block_size, window_size, comp_block_table, comp_block_size,
-            check_values: as in :func:`build_prefill_indices` (the compressed
-            rows are C128A's: ``comp_block_size`` defaults to ``256 // 128``).
+            check_values, window_floor, comp_blocks, req_out: as in
+            :func:`build_prefill_indices` (the compressed rows are C128A's:
+            ``comp_block_size`` defaults to ``256 // 128``).
         group_size: tokens per group (``dsv4_kernels.sparse_mla.prefill_group_size``
             gives the one the kernel takes for a head count on this device).
         topk: the C128A row width (needed with ``comp_block_table``).
@@ -230,4 +244,6 @@ def build_grouped_prefill_indices(
         group=group_size,
         grouped=True,
         window_floor=window_floor,
+        comp_blocks=comp_blocks,
+        req_out=req_out,
     )

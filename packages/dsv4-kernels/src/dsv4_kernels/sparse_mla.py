@@ -78,6 +78,7 @@ from ._validation import (
 from .geometry import (
     HEAD_DIM,
 )
+from .reference.prefill_indices import BlockRows
 
 __all__ = ["MAX_HEADS", "TILES", "sparse_mla_paged", "sparse_mla_workspace"]
 
@@ -138,7 +139,7 @@ def sparse_mla_paged(
     swa_block_size: int | None = None,
     attn_sink: torch.Tensor | None = None,
     comp_cache: torch.Tensor | PageView | None = None,
-    comp_indices: torch.Tensor | None = None,
+    comp_indices: torch.Tensor | BlockRows | None = None,
     comp_lens: torch.Tensor | None = None,
     comp_block_size: int | None = None,
     out: torch.Tensor | None = None,
@@ -176,7 +177,10 @@ def sparse_mla_paged(
         comp_cache: the compressed cache (same layout rules, ``comp_block_size``
             entries per page; or a :class:`~dsv4_kernels.PageView`), or None for
             SWA-only layers.
-        comp_indices: ``[T, Kc]`` int32 global compressed slots, ``-1`` holes.
+        comp_indices: ``[T, Kc]`` int32 global compressed slots, ``-1`` holes; or
+            :class:`~dsv4_kernels.BlockRows` (C128A's rows named by the compressed
+            block table and each token's request: every entry of the request in
+            order, read through the table; ``comp_lens`` then required).
         comp_lens: ``[T]`` int32 lengths for ``comp_indices``, or None (all).
         comp_block_size: entries per compressed page (``256 // compress_ratio``).
         out: optional ``[T, H, 512]`` bf16 output buffer (contiguous last dim).
@@ -209,7 +213,8 @@ def sparse_mla_paged(
     T = q.shape[0]
     scale = _check_scale(scale)
     keys = check_paged_keys(swa_cache, swa_indices, swa_lens, swa_block_size, comp_cache,
-                            comp_indices, comp_lens, comp_block_size, T, device)  # fmt: skip
+                            comp_indices, comp_lens, comp_block_size, T, device,
+                            block_rows=True)  # fmt: skip
     sink, out, lse = _check_sink_and_outputs(q, attn_sink, out, lse)
     grouping = _check_groups(
         leads, group_size, swa_starts, comp_starts, keys.comp is not None, T, device

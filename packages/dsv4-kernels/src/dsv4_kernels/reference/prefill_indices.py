@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 __all__ = [
+    "BlockRows",
     "GroupedPrefillIndices",
     "PrefillIndices",
     "build_grouped_prefill_indices",
@@ -21,17 +22,44 @@ __all__ = [
 ]
 
 
+class BlockRows(NamedTuple):
+    """Compressed rows named by a block table instead of slots, as C128A's rows are
+    (every entry of the request so far, in order): token ``t``'s row is request
+    ``req[t]``'s entries ``0, 1, ..`` with entry ``e`` at slot ``block_table[req[t], e //
+    page] * page + e % page`` (``page``: the compressed cache's entries per page); a
+    negative page id is a hole, and the row is ``block_table.shape[1] * page`` entries
+    wide.  Its lengths are the call's ``comp_lens``.  Nothing of size tokens x entries is
+    built: :func:`dsv4_kernels.sparse_mla_paged` reads the block table itself.
+
+    ``block_table``: ``[R, P]`` int32, contiguous in its last dimension (vLLM's
+    compressed block table); ``req``: ``[>= T]`` int32, each token's row of it.
+    """
+
+    block_table: torch.Tensor
+    req: torch.Tensor
+
+    def slots(self, page_size: int, num_tokens: int) -> torch.Tensor:
+        """The same rows as ``[T, P * page_size]`` int32 global slots (-1: a hole)."""
+        table = self.block_table.long()
+        pages = table[self.req[:num_tokens].long()] if table.shape[0] else table[:0]
+        pages = pages.reshape(num_tokens, -1)
+        s = torch.arange(page_size, device=table.device)
+        rows = torch.where(pages[:, :, None] >= 0, pages[:, :, None] * page_size + s, -1)
+        return rows.reshape(num_tokens, -1).to(torch.int32)
+
+
 class PrefillIndices(NamedTuple):
     """Index rows of one prefill chunk, as :func:`dsv4_kernels.sparse_mla_paged` takes them.
 
     ``window``/``window_lens``: ``[T, W]`` window-cache slots and their
-    counts; ``comp``/``comp_lens``: ``[T, topk]`` compressed-cache slots and
-    their counts.  A part that was not asked for is None.
+    counts; ``comp``/``comp_lens``: ``[T, topk]`` compressed-cache slots (or, for
+    C128A rows built with ``comp_blocks``, :class:`BlockRows`) and their counts.
+    A part that was not asked for is None.
     """
 
     window: torch.Tensor | None
     window_lens: torch.Tensor | None
-    comp: torch.Tensor | None
+    comp: torch.Tensor | BlockRows | None
     comp_lens: torch.Tensor | None
 
 
@@ -83,6 +111,16 @@ def _floor(window_floor: torch.Tensor | None, req: torch.Tensor, pos: torch.Tens
     return window_floor.long().to(pos.device)[req].clamp(min=0)
 
 
+def _block_rows(
+    table: torch.Tensor, req: torch.Tensor, req_out: torch.Tensor | None, num_tokens: int
+) -> BlockRows:
+    """C128A rows as :class:`BlockRows`: the compressed block table and each token's
+    request (written into ``req_out`` when given)."""
+    if req_out is None:
+        req_out = torch.empty((num_tokens,), dtype=torch.int32, device=req.device)
+    return BlockRows(table, req_out[:num_tokens].copy_(req))
+
+
 def build_prefill_indices(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -101,11 +139,14 @@ def build_prefill_indices(
     comp_out: torch.Tensor | None = None,
     comp_lens_out: torch.Tensor | None = None,
     window_floor: torch.Tensor | None = None,
+    comp_blocks: bool = False,
+    req_out: torch.Tensor | None = None,
 ) -> PrefillIndices:
     """Reference of :func:`dsv4_kernels.build_prefill_indices` (same contract)."""
     device = query_start_loc.device
     req, pos = _positions(query_start_loc, seq_lens, num_tokens)
-    window = window_lens = comp = comp_lens = None
+    window = window_lens = comp_lens = None
+    comp: torch.Tensor | BlockRows | None = None
 
     if window_block_table is not None:
         w = window_size
@@ -125,6 +166,12 @@ def build_prefill_indices(
     if comp_block_table is not None:
         assert topk is not None and comp_block_size is not None
         topk_len = torch.div(pos + 1, compress_ratio, rounding_mode="floor").clamp(0, topk)
+        if comp_lens_out is None:
+            comp_lens_out = torch.empty((num_tokens,), dtype=torch.int32, device=device)
+        comp_lens = comp_lens_out[:num_tokens].copy_(topk_len)
+        if comp_blocks:
+            comp = _block_rows(comp_block_table, req, req_out, num_tokens)
+            return PrefillIndices(window, window_lens, comp, comp_lens)
         c = torch.arange(topk, device=device)[None, :]
         in_len = c < topk_len[:, None]
         if topk_indices is not None:
@@ -134,10 +181,7 @@ def build_prefill_indices(
         rows = _slots(req, local, in_len, comp_block_table, comp_block_size)
         if comp_out is None:
             comp_out = torch.empty((num_tokens, topk), dtype=torch.int32, device=device)
-        if comp_lens_out is None:
-            comp_lens_out = torch.empty((num_tokens,), dtype=torch.int32, device=device)
         comp = comp_out[:num_tokens].copy_(rows)
-        comp_lens = comp_lens_out[:num_tokens].copy_(topk_len)
 
     return PrefillIndices(window, window_lens, comp, comp_lens)
 
@@ -160,7 +204,7 @@ class GroupedPrefillIndices(NamedTuple):
     window: torch.Tensor | None
     window_starts: torch.Tensor | None
     window_lens: torch.Tensor | None
-    comp: torch.Tensor | None
+    comp: torch.Tensor | BlockRows | None
     comp_lens: torch.Tensor | None
 
     def grouping(self) -> dict[str, Any]:
@@ -183,6 +227,8 @@ def build_grouped_prefill_indices(
     compress_ratio: int = 128,
     topk: int | None = None,
     window_floor: torch.Tensor | None = None,
+    comp_blocks: bool = False,
+    req_out: torch.Tensor | None = None,
 ) -> GroupedPrefillIndices:
     """Reference of :func:`dsv4_kernels.build_grouped_prefill_indices` (same contract)."""
     device = query_start_loc.device
@@ -194,7 +240,8 @@ def build_grouped_prefill_indices(
     g = group_size
     q_first = qsl[req] if num_reqs else t
     leads = torch.maximum(torch.div(t, g, rounding_mode="floor") * g, q_first)
-    window = window_starts = window_lens = comp = comp_lens = None
+    window = window_starts = window_lens = comp_lens = None
+    comp: torch.Tensor | BlockRows | None = None
     if window_block_table is not None:
         w = window_size
         lo = _floor(window_floor, req, pos)
@@ -210,12 +257,15 @@ def build_grouped_prefill_indices(
     if comp_block_table is not None:
         assert topk is not None and comp_block_size is not None
         comp_lens = torch.div(pos + 1, compress_ratio, rounding_mode="floor").clamp(0, topk)
-        entries = torch.div(seq, compress_ratio, rounding_mode="floor").clamp(0, topk)
-        c = torch.arange(topk, device=device)[None, :]
-        live = c < entries[:, None]
-        comp = _slots(req, c.expand(num_tokens, topk), live, comp_block_table, comp_block_size)
-        comp = comp.to(torch.int32)
         comp_lens = comp_lens.to(torch.int32)
+        if comp_blocks:
+            comp = _block_rows(comp_block_table, req, req_out, num_tokens)
+        else:
+            entries = torch.div(seq, compress_ratio, rounding_mode="floor").clamp(0, topk)
+            c = torch.arange(topk, device=device)[None, :]
+            live = c < entries[:, None]
+            slots = _slots(req, c.expand(num_tokens, topk), live, comp_block_table, comp_block_size)
+            comp = slots.to(torch.int32)
     return GroupedPrefillIndices(
         leads.to(torch.int32), g, window, window_starts, window_lens, comp, comp_lens
     )
