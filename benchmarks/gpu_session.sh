@@ -8,7 +8,10 @@
 #      or set DSV4_VLLM_FLASHMLA), running each of its ops once;
 #   2. runs the README's GPU test command (log: $OUT/gpu-tests.log);
 #   3. runs the full kernel benchmark into $OUT (results.jsonl, table.md,
-#      plot.png; log: $OUT/bench.log);
+#      plot.png; log: $OUT/bench.log), then prints whether the C128A rows read
+#      through the block table were as fast as the rows of slots in every case
+#      (python3 -m benchmarks.support.block_rows_flag; decides the table's
+#      prefill.c128a_block_rows once the GPU tests passed);
 #   4. runs the whole-model step benchmark into $OUT/model_step (vLLM's own metadata
 #      kernels where the tree carries .vllm_peer, staged by
 #      python3 -m benchmarks.support.vllm_peer where vLLM is installed; log:
@@ -48,6 +51,10 @@ tests_rc=${PIPESTATUS[0]}
 echo "== benchmark: python3 -m benchmarks.kernels --out $OUT"
 PYTHONPATH="$SRC:." python3 -m benchmarks.kernels --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
+if [ -f "$OUT/results.jsonl" ]; then
+    echo "== C128A block rows: python3 -m benchmarks.support.block_rows_flag $OUT/results.jsonl"
+    PYTHONPATH="$SRC:." python3 -m benchmarks.support.block_rows_flag "$OUT/results.jsonl" 2>&1 | tee "$OUT/block_rows.log"
+fi
 
 peer=()
 [ -d .vllm_peer ] && peer=(--vllm-peer .vllm_peer)
