@@ -81,6 +81,9 @@ OURS_GROUPED = "dsv4-kernels-grouped+index"
 # more than 16 heads in wide blocks on the wgmma kernel's two warpgroups (issue 41; the
 # shipped large tiles run the Triton kernel): blocks of 32 heads up to 32, else of 64
 OURS_WIDE = "dsv4-kernels-wide"
+# the same with the index build, as the plugin runs a layer: what a table's prefill.wide
+# rows are decided on against vLLM's path (FlashMLA with its gathers and combine)
+OURS_WIDE_INDEX = "dsv4-kernels-wide+index"
 # C128A rows read through the compressed block table (BlockRows; the H200 table's
 # prefill.c128a_block_rows once measured): build lengths and requests, then attend
 OURS_BLOCKS = "dsv4-kernels-blocks+index"
@@ -233,6 +236,16 @@ def blocks_provider(
     return run
 
 
+def wide_tiles(heads: int) -> dict[str, int]:
+    """The large head class's tiles with the wgmma kernel's wide head blocks that the
+    benchmark runs more than 16 heads with: blocks of 32 heads up to 32 (V4-Pro at TP4),
+    else of 64 (a table's ``prefill.wide`` row records the ones measured)."""
+    from dsv4_kernels.sparse_mla import TILES
+
+    block = 32 if heads <= 32 else 64
+    return {**TILES["large"], "KERNEL": 2, "ASYNC_PV": 1, "WIDE_HT": block}
+
+
 def grouped_size(inp: AttnInputs) -> int:
     """Tokens per group for the grouped provider (0: none for this case)."""
     from dsv4_kernels.sparse_mla import prefill_group_size
@@ -305,12 +318,9 @@ def build_cases(
                 blocks = blocks_provider(inp, out, lse, group)
                 providers.append(ours(OURS_GROUPED_BLOCKS, blocks))
         if H > 16:
-            from dsv4_kernels.sparse_mla import TILES
-
-            block = 32 if H <= 32 else 64
-            wide_tiles = {"large": {**TILES["large"], "KERNEL": 2, "ASYNC_PV": 1, "WIDE_HT": block}}
-            wide = dataclasses.replace(inp, tiles=wide_tiles)
+            wide = dataclasses.replace(inp, tiles={"large": wide_tiles(H)})
             providers.append(ours(OURS_WIDE, lambda i=wide, o=out, l=lse: i.run_paged(o, l)))
+            providers.append(ours(OURS_WIDE_INDEX, index_build_provider(wide, out, lse)))
         if fmla:
             providers += flashmla_providers(inp, want, tokens)
         if vllm_fmla:

@@ -8,10 +8,11 @@
 #      or set DSV4_VLLM_FLASHMLA), running each of its ops once;
 #   2. runs the README's GPU test command (log: $OUT/gpu-tests.log);
 #   3. runs the full kernel benchmark into $OUT (results.jsonl, table.md,
-#      plot.png; log: $OUT/bench.log), then prints whether the C128A rows read
-#      through the block table were as fast as the rows of slots in every case
-#      (python3 -m benchmarks.support.block_rows_flag; decides the table's
-#      prefill.c128a_block_rows once the GPU tests passed);
+#      plot.png; log: $OUT/bench.log), then prints the prefill choices the run
+#      decides (python3 -m benchmarks.support.prefill_table: the C128A rows read
+#      through the block table, prefill.c128a_block_rows; ours above 16 heads in wide
+#      head blocks, prefill.wide; written into a table with --table once the GPU
+#      tests passed; log: $OUT/prefill_table.log);
 #   4. runs the whole-model step benchmark into $OUT/model_step (vLLM's own metadata
 #      kernels where the tree carries .vllm_peer, staged by
 #      python3 -m benchmarks.support.vllm_peer where vLLM is installed; log:
@@ -52,8 +53,8 @@ echo "== benchmark: python3 -m benchmarks.kernels --out $OUT"
 PYTHONPATH="$SRC:." python3 -m benchmarks.kernels --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 if [ -f "$OUT/results.jsonl" ]; then
-    echo "== C128A block rows: python3 -m benchmarks.support.block_rows_flag $OUT/results.jsonl"
-    PYTHONPATH="$SRC:." python3 -m benchmarks.support.block_rows_flag "$OUT/results.jsonl" 2>&1 | tee "$OUT/block_rows.log"
+    echo "== prefill choices: python3 -m benchmarks.support.prefill_table $OUT/results.jsonl"
+    PYTHONPATH="$SRC:." python3 -m benchmarks.support.prefill_table "$OUT/results.jsonl" 2>&1 | tee "$OUT/prefill_table.log"
 fi
 
 peer=()

@@ -101,7 +101,7 @@ def test_plan_builds_into_the_scratch_and_matches_the_reference(
     length and request in the scratch, read through vLLM's compressed block table."""
     from dsv4_kernels import sparse_mla
 
-    monkeypatch.setattr(sparse_mla, "prefill_group_size", lambda q: group)
+    monkeypatch.setattr(sparse_mla, "prefill_group_size", lambda q, tiles=None: group)
     steps = [[StepRequest("a", 300, 9), StepRequest("b", 0, 7)]]
     sc = Scenario(
         steps, heads=4, topk=64, c128a_topk=8, seed=fresh_seed(), device=torch.device("cpu")

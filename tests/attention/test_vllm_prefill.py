@@ -37,7 +37,7 @@ import pytest
 import torch
 
 import dsv4_kernels as dk
-from dsv4_attention import policy, vllm_calls
+from dsv4_attention import policy, tables, vllm_calls
 from dsv4_attention.facts import LayerFacts, ServingConfig
 from dsv4_attention.policy import Device, Switches
 from dsv4_attention.runtime import HeadExactRuntime, VllmAccess
@@ -63,6 +63,15 @@ SERVING = ServingConfig(
 H200 = table_for("NVIDIA H200", (9, 0))
 assert H200 is not None
 HOPPER = Device("NVIDIA H200", (9, 0), wgmma=True)
+# a wide row as a GPU run would write it (issue 41): C4A and C128A at 64 heads in the
+# wgmma kernel's blocks of 64 (not measured: the shipped H200 table has none)
+WIDE = {
+    64: tables.WidePrefill(
+        frozenset({"c4a", "c128a"}),
+        {"MAX_BLOCK_H": 64, "BLOCK_N": 32, "NUM_WARPS": 8, "NUM_STAGES": 1, "PREFETCH": 0,
+         "BF16_DEQUANT": 1, "KERNEL": 2, "ASYNC_PV": 1, "WIDE_HT": 64},
+    )
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -193,25 +202,28 @@ def _batch(g: torch.Generator, ratio: int, caches: dict[str, torch.Tensor]) -> d
 
 
 @pytest.mark.parametrize(
-    ("ratio", "group", "blocks"),
-    [(1, 1, 0), (4, 1, 0), (128, 1, 0), (1, 4, 0), (128, 4, 0), (128, 1, 1), (128, 4, 1)],
+    ("ratio", "group", "blocks", "heads"),
+    [(1, 1, 0, HEADS), (4, 1, 0, HEADS), (128, 1, 0, HEADS), (1, 4, 0, HEADS),
+     (128, 4, 0, HEADS), (128, 1, 1, HEADS), (128, 4, 1, HEADS), (4, 1, 0, 64)],
     ids=["swa", "c4a", "c128a", "swa-grouped", "c128a-grouped", "c128a-blocks",
-         "c128a-grouped-blocks"],
+         "c128a-grouped-blocks", "c4a-64-heads-wide"],
 )  # fmt: skip
 def test_head_exact_prefill_matches_vllms_own_prefill(
     vllm_env: types.SimpleNamespace,
     ratio: int,
     group: int,
     blocks: int,
+    heads: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``group`` > 1: the forward takes grouped rows (as on Hopper, where the wgmma kernel
     consumes them; here they are expanded per token), built from vLLM's metadata for a
     batch whose requests start inside groups.  ``blocks``: a table that says
     ``c128a_block_rows``: the C128A rows are read through vLLM's compressed block table
-    (no row of entries reserved or built)."""
+    (no row of entries reserved or built).  ``heads`` 64: V4-Flash at TP1 / DP attention,
+    taken from a table with a wide row at 64 heads (issue 41), its tiles passed on."""
     if group > 1:
-        monkeypatch.setattr(sparse_mla, "prefill_group_size", lambda q: group)
+        monkeypatch.setattr(sparse_mla, "prefill_group_size", lambda q, tiles=None: group)
     seed = fresh_seed()
     g = generator(seed)
     views, storage = vllm_dsv4_caches("BLHNC", available_bytes=96 << 20)
@@ -225,18 +237,20 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
         caches[kind] = view.view
     batch = _batch(g, ratio, caches)
     total = int(batch["total"])  # type: ignore[call-overload]
-    layer = _layer(ratio, HEADS, batch["topk_buffer"], g)  # type: ignore[arg-type]
+    layer = _layer(ratio, heads, batch["topk_buffer"], g)  # type: ignore[arg-type]
     # a fresh runtime: it decides this kind (scratch sized for ``group``) at first contact
     table = H200
     if blocks:
         table = dataclasses.replace(
             H200, prefill=dataclasses.replace(H200.prefill, c128a_block_rows=True)
         )
+    if heads > 16:
+        table = dataclasses.replace(H200, prefill=dataclasses.replace(H200.prefill, wide=WIDE))
     ours_cls = head_exact_cls(vllm_env.ours_cls, SERVING, table=table)
     swa = batch["swa"]
     num_decode_tokens = swa.num_decode_tokens  # type: ignore[attr-defined]
     q = (torch.randn(total, PADDED, 512, generator=g)).to(torch.bfloat16)
-    q[:, HEADS:] = 0  # vLLM's padded heads
+    q[:, heads:] = 0  # vLLM's padded heads
     kwargs = {
         "positions": torch.zeros(total - num_decode_tokens, dtype=torch.int64),
         "compressed_k_cache": caches["c4a" if ratio == 4 else "c128a"] if ratio > 1 else None,
@@ -287,7 +301,8 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
             setattr(flashmla, name, fn)
     vllm_out, ours = outputs["vllm"], outputs["ours"]
     # what the binding holds: vLLM's page sizes, the layer's rows and heads, the grouping
-    assert (bound.window.page_size, bound.heads, bound.group_size) == (64, HEADS, group)
+    assert (bound.window.page_size, bound.heads, bound.group_size) == (64, heads, group)
+    assert bound.tiles == (None if heads <= 16 else {"large": dict(WIDE[heads].tiles)})
     if ratio == 1:
         assert bound.comp is None
     else:
@@ -295,8 +310,8 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
     # ours ran (vLLM's FlashMLA call never made for it) and its kind stays ours
     assert attention_calls.get("vllm", 0) > 0 and "ours" not in attention_calls, attention_calls
     rt = ours_cls.dsv4_runtime
-    state = rt.kinds[(ratio, HEADS)]
-    assert state.prefill.ours and state.prefill.reason == "every step", state
+    state = rt.kinds[(ratio, heads)]
+    assert state.prefill.ours and state.prefill.reason.startswith("every step"), state
     assert rt.prefill_scratch is not None and rt.prefill_scratch.spec.max_group == group
     plan = rt._step.plan
     assert plan is not None and plan.scratch is rt.prefill_scratch
@@ -312,11 +327,11 @@ def test_head_exact_prefill_matches_vllms_own_prefill(
     assert bool(plan._grouped) == (group > 1) and bool(plan._rows) == (group == 1)
     prefill = slice(num_decode_tokens, total)
     assert bool((ours[:num_decode_tokens] == 7.0).all()), "decode rows were written"
-    assert bool((ours[prefill, HEADS:] == 7.0).all()), "padded heads were written"
-    assert not bool(ours[prefill, :HEADS].isnan().any())
+    assert bool((ours[prefill, heads:] == 7.0).all()), "padded heads were written"
+    assert not bool(ours[prefill, :heads].isnan().any())
     torch.testing.assert_close(
-        ours[prefill, :HEADS].float(),
-        vllm_out[prefill, :HEADS].float(),
+        ours[prefill, :heads].float(),
+        vllm_out[prefill, :heads].float(),
         atol=2e-2,
         rtol=2e-2,
         msg=lambda m: f"seed {seed}: {m}",

@@ -112,6 +112,9 @@ class LayerBinding:
     comp: Pages | None
     scale: float
     group_size: int  # prefill tokens per group of grouped rows (1: per-token rows)
+    # the prefill's tiles (``sparse_mla_paged(tiles=...)``: a measured table's wide head
+    # blocks above 16 heads); None: the kernels' defaults
+    tiles: Mapping[str, Mapping[str, int]] | None = None
 
     @classmethod
     def bind(
@@ -129,6 +132,7 @@ class LayerBinding:
         scale: float,
         q: torch.Tensor,
         group_size: int | None = None,
+        tiles: Mapping[str, Mapping[str, int]] | None = None,
     ) -> LayerBinding:
         """The binding of one layer's caches; a ``ValueError`` naming the argument when
         a cache is not a DSV4 FP8 page view of its block size on ``q``'s device, or the
@@ -137,7 +141,8 @@ class LayerBinding:
         and the kernels'; it is only looked at).  ``group_size``: None picks the
         kernels' prefill grouping for ``heads`` there
         (:func:`dsv4_kernels.sparse_mla.prefill_group_size`; top-k rows are always per
-        token)."""
+        token).  ``tiles``: the prefill's tiles (a measured table's wide head blocks;
+        None: the kernels' defaults)."""
         if rows.compressed != (comp_cache is not None):
             raise ValueError(
                 f"comp_cache must be given for compressed rows and None for window-only "
@@ -157,7 +162,7 @@ class LayerBinding:
         if group_size is None:
             group_size = 1
             if rows is not RowKind.TOPK:
-                group_size = dk.sparse_mla.prefill_group_size(q[:1, :heads])
+                group_size = dk.sparse_mla.prefill_group_size(q[:1, :heads], tiles)
         return cls(
             name,
             rows,
@@ -168,6 +173,7 @@ class LayerBinding:
             None if comp is None else Pages.of(comp),
             float(scale),
             group_size,
+            None if tiles is None else {k: dict(v) for k, v in tiles.items()},
         )
 
     @classmethod
@@ -248,6 +254,7 @@ class LayerBinding:
             comp_lens=rows.comp_lens,
             out=None if out is None else out[:T, :H],
             lse=lse,
+            tiles=self.tiles,
             **grouped,
         )
         return result

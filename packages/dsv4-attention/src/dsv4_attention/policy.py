@@ -17,7 +17,14 @@ from dsv4_kernels.geometry import RowKind
 
 from .facts import IndexerFacts, LayerFacts, ServingConfig
 from .scratch import ScratchSpec
-from .tables import DecodeTable, IndexerTable, MeasuredTable, PrefillLimits
+from .tables import (
+    LAYER_NAMES,
+    DecodeTable,
+    IndexerTable,
+    MeasuredTable,
+    PrefillLimits,
+    WidePrefill,
+)
 
 __all__ = [
     "Choice",
@@ -35,6 +42,8 @@ __all__ = [
     "prefill_heads_limit",
     "prefill_scratch_spec",
     "prefill_step_takes_ours",
+    "prefill_tiles",
+    "wide_prefill",
 ]
 
 ENV_DISABLE = "DSV4_KERNELS_DISABLE"
@@ -138,6 +147,32 @@ def prefill_heads_limit(
     return limits.shared_keys_max_heads
 
 
+def wide_prefill(
+    facts: LayerFacts, limits: PrefillLimits | None, switches: Switches
+) -> WidePrefill | None:
+    """The table's wide row (issue 41: more than 16 local heads, ours in the wgmma kernel's
+    wide head blocks) that takes this DeepSeek-V4 layer kind at exactly its head count,
+    or None (V4.1's kinds, vLLM's native-head prefill and ``DSV4_PREFILL_MAX_HEADS`` keep
+    the limits)."""
+    if limits is None or facts.family != "v4" or facts.vllm_native:
+        return None
+    if switches.max_heads is not None:
+        return None
+    row = limits.wide.get(facts.heads)
+    if row is None or LAYER_NAMES.get(facts.compress_ratio) not in row.kinds:
+        return None
+    return row
+
+
+def prefill_tiles(
+    facts: LayerFacts, table: MeasuredTable | None, switches: Switches
+) -> dict[str, dict[str, int]] | None:
+    """The tiles this layer kind's prefill runs with: a wide row's (``sparse_mla_paged``'s
+    ``tiles=``), else None (the kernels' defaults)."""
+    row = wide_prefill(facts, None if table is None else table.prefill, switches)
+    return None if row is None else {"large": dict(row.tiles)}
+
+
 def _vllm_prefill_text(facts: LayerFacts) -> str:
     if facts.vllm_native:
         return f"vLLM's FlashMLA prefill at the real {facts.heads} heads"
@@ -181,6 +216,13 @@ def prefill_choice(
     if table.prefill.requires_wgmma and not device.wgmma:
         return Choice(False, "the Gluon wgmma kernel does not build here")
     limit = prefill_heads_limit(facts, table.prefill, switches, short_rows=True)
+    wide = wide_prefill(facts, table.prefill, switches)
+    if facts.heads > limit and wide is not None:
+        return Choice(
+            True,
+            f"every step, at {facts.heads} heads in blocks of {wide.tiles['WIDE_HT']} "
+            f"(measured faster there, {table.device_name})",
+        )
     if facts.heads > limit:
         return Choice(
             False,
@@ -253,9 +295,12 @@ def prefill_step_takes_ours(
     facts: LayerFacts, limits: PrefillLimits, switches: Switches, mean_keys: float | None
 ) -> bool:
     """Whether a step of a layer kind whose prefill is ours runs ours: always within the
-    head limit; a top-k layer above it only when its rows are short (``mean_keys``, None
-    when the step's host lengths are unknown) and vLLM's call is the padded one."""
+    head limit or at a wide row's head count; a top-k layer above the limit only when its
+    rows are short (``mean_keys``, None when the step's host lengths are unknown) and
+    vLLM's call is the padded one."""
     if facts.heads <= prefill_heads_limit(facts, limits, switches):
+        return True
+    if wide_prefill(facts, limits, switches) is not None:
         return True
     if facts.vllm_native or not facts.topk_rows:
         return False

@@ -149,6 +149,7 @@ def forward_prefill(
     group_size: int | None = None,
     window_floor: torch.Tensor | None = None,
     window_size: int | None = None,
+    tiles: dict[str, dict[str, int]] | None = None,
 ) -> torch.Tensor:
     """Prefill attention of one DSV4 layer on its real heads, reading the FP8 pages.
 
@@ -191,6 +192,9 @@ def forward_prefill(
             layer's own window metadata); None: the plan's.
         window_size: this layer's sliding window (its ``window_size``); None: the
             plan's.
+        tiles: the kernels' tiles (:func:`dsv4_kernels.sparse_mla_paged`'s; a measured
+            table's wide head blocks above 16 heads); None: the kernels' defaults.  The
+            reference ignores it (tiles never change the result's keys).
 
     Returns:
         The ``[T, H, 512]`` output (the first ``T`` rows of ``out``).
@@ -217,6 +221,7 @@ def forward_prefill(
         scale=scale,
         q=q,
         group_size=group_size,
+        tiles=tiles,
     )
     rows = binding.prefill_rows(
         plan,

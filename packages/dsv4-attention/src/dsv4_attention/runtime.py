@@ -412,6 +412,7 @@ class HeadExactRuntime:
                     topk_rows=f.topk_rows,
                     window=f.window,
                     c128a_blocks=self._c128a_blocks,
+                    tiles=policy.prefill_tiles(f, self.table, self.switches),
                 )
             if state.decode.ours:
                 warm_up_decode(
@@ -511,6 +512,7 @@ class HeadExactRuntime:
                         comp_block_size=slots,
                         scale=float(layer.scale),
                         q=q,
+                        tiles=policy.prefill_tiles(facts, self.table, self.switches),
                     )
                 except ValueError as exc:
                     problem = str(exc)
@@ -577,9 +579,9 @@ class HeadExactRuntime:
             facts = state.facts
             assert self.table is not None
             mean = None
-            if facts.topk_rows and facts.heads > policy.prefill_heads_limit(
-                facts, self.table.prefill, self.switches
-            ):
+            wide = policy.wide_prefill(facts, self.table.prefill, self.switches)
+            limit = policy.prefill_heads_limit(facts, self.table.prefill, self.switches)
+            if facts.topk_rows and facts.heads > limit and wide is None:
                 mean = self._step_mean_keys(facts, swa_metadata)
             if not policy.prefill_step_takes_ours(facts, self.table.prefill, self.switches, mean):
                 return False

@@ -47,6 +47,21 @@ LAYER_NAMES = {1: "swa", 4: "c4a", 128: "c128a"}
 
 
 @dataclass(frozen=True)
+class WidePrefill:
+    """A head count above 16 (DP attention's 32, 64 or 128 local heads, issue 41) at which
+    ours was measured faster than vLLM's prefill: the layer kinds (``"swa"``, ``"c4a"``,
+    ``"c128a"``) and the tiles of the run (``dsv4_kernels.sparse_mla.TILES["large"]``'s
+    entries with the wgmma kernel's wide head blocks: ``KERNEL`` 2, ``WIDE_HT`` 32 or
+    64).  Looked up at exactly its head count: another is never borrowed."""
+
+    kinds: frozenset[str]
+    tiles: Mapping[str, int]
+
+
+WIDE_KINDS = ("swa", "c4a", "c128a")
+
+
+@dataclass(frozen=True)
 class PrefillLimits:
     """Up to how many local heads the head-exact prefill is measured faster.
 
@@ -69,6 +84,8 @@ class PrefillLimits:
     # C128A rows read through the compressed block table (dsv4_kernels.BlockRows): no
     # [tokens, entries] row of slots reserved or built; taken once measured on the GPU
     c128a_block_rows: bool = False
+    # head counts above 16 taken where measured (local heads -> kinds and tiles)
+    wide: Mapping[int, WidePrefill] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True)
@@ -192,6 +209,36 @@ def _kernels(raw: object) -> Mapping[int, Mapping[str, int]]:
     return MappingProxyType(out)
 
 
+def _wide(raw: object) -> Mapping[int, WidePrefill]:
+    """``prefill.wide``: local heads -> ``{"kinds": [...], "tiles": {...}}`` (WidePrefill)."""
+    from dsv4_kernels.sparse_mla import TILES, WIDE_BLOCK_HEADS
+
+    if raw is None:
+        return MappingProxyType({})
+    assert isinstance(raw, dict), "prefill.wide must be an object"
+    out = {}
+    for heads, row in raw.items():
+        where = f"prefill.wide[{heads!r}]"
+        assert isinstance(row, dict), f"{where} must be an object"
+        assert int(heads) > 16, f"{where}: only head counts above 16 (up to 16: the limits)"
+        kinds = row.get("kinds")
+        assert isinstance(kinds, list) and set(kinds) <= set(WIDE_KINDS), (
+            f"{where}.kinds must be a list among {WIDE_KINDS}"
+        )
+        tiles = row.get("tiles")
+        assert isinstance(tiles, dict), f"{where}.tiles must be an object"
+        known = {*TILES["large"], "KERNEL", "ASYNC_PV", "WIDE_HT"}
+        unknown = sorted(set(tiles) - known)
+        assert not unknown, f"{where}.tiles: {unknown} not among {sorted(known)}"
+        assert tiles.get("KERNEL") == 2 and tiles.get("WIDE_HT") in WIDE_BLOCK_HEADS, (
+            f"{where}.tiles must name the wgmma kernel's wide blocks (KERNEL 2, WIDE_HT one "
+            f"of {WIDE_BLOCK_HEADS})"
+        )
+        entries = {str(k): int(v) for k, v in tiles.items()}
+        out[int(heads)] = WidePrefill(frozenset(kinds), MappingProxyType(entries))
+    return MappingProxyType(out)
+
+
 SPLITS = ("rows", "keys")
 
 
@@ -270,6 +317,7 @@ def parse_table(data: Mapping[str, object], name: str = "<table>") -> MeasuredTa
                     int(h) for h in native.get("faster_than_padded_heads", ())
                 ),
                 c128a_block_rows=_flag(prefill.get("c128a_block_rows", False)),
+                wide=_wide(prefill.get("wide")),
             ),
             decode=DecodeTable(
                 requires_wgmma=bool(decode["requires_wgmma"]),

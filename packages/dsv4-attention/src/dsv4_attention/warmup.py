@@ -85,6 +85,7 @@ def warm_up_prefill(
     window: int = 128,
     window_floor: bool = True,
     c128a_blocks: bool = False,
+    tiles: dict[str, dict[str, int]] | None = None,
 ) -> float:
     """Run one layer's head-exact prefill on a tiny batch; seconds it took (the compile).
 
@@ -102,6 +103,8 @@ def warm_up_prefill(
             compiled with and without one, so the variant serving launches is this one.
         c128a_blocks: C128A rows read through the block table, as serving builds them
             when the table says so (the attention kernel compiles a variant for it).
+        tiles: the prefill's tiles where a measured table names them (wide head blocks
+            above 16 heads), as serving passes them.
     """
     if topk_rows is None:
         topk_rows = compress_ratio == 4
@@ -140,6 +143,7 @@ def warm_up_prefill(
             swa_block_table=_table(SWA_BLOCK_SIZE, device),
             attn_sink=torch.zeros((heads,), dtype=torch.float32, device=device),
             window_floor=None if floor is None else floor.to(torch.int32),
+            tiles=tiles,
             **layer,  # type: ignore[arg-type]
         )
     if device.type == "cuda":

@@ -45,6 +45,7 @@ import functools
 
 import torch
 
+from ._paged_keys import WIDE_BLOCK_HEADS as WIDE_BLOCK_HEADS  # re-exported
 from ._paged_keys import (
     KeySource,
     PagedKeys,
