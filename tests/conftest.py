@@ -9,6 +9,9 @@ the switch must be set here, before any test module imports the package.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+
+import pytest
 
 
 def _cuda_available() -> bool:
@@ -36,3 +39,16 @@ def _hypothesis_profile() -> None:
 
 
 _hypothesis_profile()
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_it_was() -> Iterator[None]:
+    """Every test leaves ``os.environ`` as it found it.  Code under test may set variables
+    (the presets' CLI sets ``VLLM_LOGGING_LEVEL`` for the vLLM it starts), and the suites
+    run a test file per worker process: a file must not change what a later file of the
+    same process, or the processes its tests start, see."""
+    saved = dict(os.environ)
+    yield
+    if dict(os.environ) != saved:
+        os.environ.clear()
+        os.environ.update(saved)
