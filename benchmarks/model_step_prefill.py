@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -212,25 +213,60 @@ def _gpu(step: PrefillStep) -> bool:
     return next(iter(step.kinds.values())).q.is_cuda
 
 
-def takes_ours(step: PrefillStep) -> tuple[str, ...]:
-    """The layer kinds whose prefill the plugin runs as ours in this step on the H200."""
-    from types import SimpleNamespace
+KIND_RATIOS = {"swa": 1, "c4a": 4, "c128a": 128}
 
-    from dsv4_attention import policy
+
+def _h200() -> Any:
     from dsv4_attention.tables import table_for
 
     table = table_for("NVIDIA H200", (9, 0))
     assert table is not None
-    m, cell = step.cell.model, step.cell
+    return table
+
+
+def _kind_facts(model: Any, kind: str) -> Any:
+    """What the policy reads of a DeepSeek-V4 layer kind of ``model`` (as vLLM's V4 class
+    runs it: its prefill padded, not at the real heads)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(heads=model.heads, vllm_native=False, topk_rows=kind == "c4a",
+                           family="v4", compress_ratio=KIND_RATIOS[kind])  # fmt: skip
+
+
+def cell_takes_ours(cell: PrefillCell) -> tuple[str, ...]:
+    """The layer kinds whose prefill the plugin runs as ours in this chunk on the H200:
+    within the table's head limits (C4A above 8 heads only in steps with short rows), and
+    above 16 heads (DP8's 64 or 128) where the table has a wide row for the kind."""
+    from dsv4_attention import policy
+
+    table, m = _h200(), cell.model
     seq = [cell.context] * cell.requests
     qlen = [cell.query_len] * cell.requests
     ours = []
     for kind in dict.fromkeys(m.kinds):
-        facts = SimpleNamespace(heads=m.heads, vllm_native=False, topk_rows=kind == "c4a")
+        facts, switches = _kind_facts(m, kind), policy.Switches()
+        # the start-up choice's head rule (policy.prefill_choice): within the limits (with
+        # short rows) or at a wide row's head count
+        limit = policy.prefill_heads_limit(facts, table.prefill, switches, short_rows=True)
+        if facts.heads > limit and policy.wide_prefill(facts, table.prefill, switches) is None:
+            continue
         mean = policy.c4a_mean_keys(seq, qlen, 128, m.topk) if kind == "c4a" else None
-        if policy.prefill_step_takes_ours(facts, table.prefill, policy.Switches(), mean):
+        if policy.prefill_step_takes_ours(facts, table.prefill, switches, mean):
             ours.append(kind)
     return tuple(ours)
+
+
+def takes_ours(step: PrefillStep) -> tuple[str, ...]:
+    """:func:`cell_takes_ours` of the step's chunk."""
+    return cell_takes_ours(step.cell)
+
+
+def kind_tiles(step: PrefillStep, kind: str) -> Any:
+    """The tiles the plugin runs a kind's prefill with on the H200 (a wide row's above 16
+    heads; None: the kernels' defaults)."""
+    from dsv4_attention import policy
+
+    return policy.prefill_tiles(_kind_facts(step.cell.model, kind), _h200(), policy.Switches())
 
 
 def vllm_path(
@@ -263,6 +299,7 @@ def vllm_path(
     spare = buffer()  # the output of our layers that are not kept
     fixed = {i: buffer() if i in kept else spare for i, inp in enumerate(step.layers)
              if inp.shape.layer in ours}  # fmt: skip
+    tiles = {kind: kind_tiles(step, kind) for kind in ours}
     lse = torch.empty((T, H), dtype=torch.float32, device=dev)
     outs: dict[int, torch.Tensor] = {}
 
@@ -271,7 +308,8 @@ def vllm_path(
         outs.clear()
         for i, inp in enumerate(step.layers):
             if i in fixed:
-                forward_prefill(inp.q, plan, out=fixed[i], lse=lse, **layer_kwargs(inp))
+                forward_prefill(inp.q, plan, out=fixed[i], lse=lse,
+                                tiles=tiles[inp.shape.layer], **layer_kwargs(inp))  # fmt: skip
                 out = fixed[i]
             else:
                 _gather_and_combine(inp, step.vllm_rows[inp.shape.layer], vllm_ops)

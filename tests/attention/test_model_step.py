@@ -92,6 +92,36 @@ def test_prefill_step_every_layer_equals_the_oracle(ops: object) -> None:
             check(path.outputs(i), prefill_oracle(step, i, tokens), f"{path.name} layer {i} {kind}")
 
 
+def test_dp8_prefill_takes_ours_only_where_a_wide_row_says(
+    ops: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DP8 chunk (64 heads): the shipped H200 table has no wide row, so no kind is
+    ours; with one for C4A and C128A at 64 heads, exactly those run ours, with the row's
+    tiles, and every layer equals the oracle."""
+    import dataclasses
+
+    from benchmarks.cases_sparse_mla import wide_tiles
+
+    from dsv4_attention import tables
+
+    cell = mp.PrefillCell(tiny_model(64, "dp8"), 1, 4, 300)
+    assert mp.cell_takes_ours(cell) == ()
+    h200 = mp._h200()
+    row = tables.WidePrefill(frozenset({"c4a", "c128a"}), wide_tiles(64))
+    wide = dataclasses.replace(h200, prefill=dataclasses.replace(h200.prefill, wide={64: row}))
+    monkeypatch.setattr(mp, "_h200", lambda: wide)
+    assert mp.cell_takes_ours(cell) == ("c4a", "c128a")
+    assert mp.cell_takes_ours(mp.PrefillCell(tiny_model(32, "dp8"), 1, 4, 300)) == ()
+    step = mp.build_step(cell, CPU, fresh_seed())
+    assert mp.kind_tiles(step, "c4a") == {"large": wide_tiles(64)}
+    path = mp.plugin_path(step, ops, "dsv4-dp8", mp.takes_ours(step))
+    path.poison()
+    path.run()
+    tokens = torch.arange(cell.tokens)
+    for i, kind in enumerate(cell.model.kinds):
+        check(path.outputs(i), prefill_oracle(step, i, tokens), f"layer {i} {kind}")
+
+
 def test_prefill_layers_of_a_kind_differ(ops: object) -> None:
     step = mp.build_step(mp.PrefillCell(tiny_model(8), 1, 6, 300), CPU, fresh_seed())
     a, b = (inp for inp in step.layers if inp.shape.layer == "c4a")
