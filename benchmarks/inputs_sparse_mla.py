@@ -167,20 +167,7 @@ class AttnInputs:
     def build_blocks(self) -> Any:
         """This C128A chunk's per-token rows with the compressed rows as ``BlockRows``
         (no ``[T, entries]`` row of slots)."""
-        import dsv4_kernels as dk
-
-        c = self.index_case
-        return dk.build_prefill_indices(
-            c.query_start_loc,
-            c.seq_lens,
-            num_tokens=c.num_tokens,
-            window_block_table=c.window_block_table,
-            compress_ratio=128,
-            comp_block_table=c.comp_block_table,
-            comp_block_size=self.comp_block_size,
-            topk=c.topk,
-            comp_blocks=True,
-        )
+        return self.index_case.build(comp_blocks=True)
 
     def run_workspace(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         import dsv4_kernels as dk

@@ -213,9 +213,6 @@ def _gpu(step: PrefillStep) -> bool:
     return next(iter(step.kinds.values())).q.is_cuda
 
 
-KIND_RATIOS = {"swa": 1, "c4a": 4, "c128a": 128}
-
-
 def _h200() -> Any:
     from dsv4_attention.tables import table_for
 
@@ -224,31 +221,33 @@ def _h200() -> Any:
     return table
 
 
-def _kind_facts(model: Any, kind: str) -> Any:
-    """What the policy reads of a DeepSeek-V4 layer kind of ``model`` (as vLLM's V4 class
-    runs it: its prefill padded, not at the real heads)."""
-    from types import SimpleNamespace
+def _kind_facts(cell: PrefillCell, kind: str) -> Any:
+    """The plugin's facts of a DeepSeek-V4 layer kind of the chunk's model (vLLM's V4 class
+    pads its prefill to ``padded_heads``)."""
+    from dsv4_attention.facts import LayerFacts
+    from dsv4_attention.tables import LAYER_NAMES
 
-    return SimpleNamespace(heads=model.heads, vllm_native=False, topk_rows=kind == "c4a",
-                           family="v4", compress_ratio=KIND_RATIOS[kind])  # fmt: skip
+    m = cell.model
+    ratio = {name: r for r, name in LAYER_NAMES.items()}[kind]
+    return LayerFacts(name=kind, compress_ratio=ratio, heads=m.heads, window=128, topk=m.topk,
+                      c128a_width=0, max_tokens=cell.tokens, decode_window_width=128,
+                      padded_heads=m.padded_heads, vllm_prefill_heads=m.padded_heads)  # fmt: skip
 
 
 def cell_takes_ours(cell: PrefillCell) -> tuple[str, ...]:
-    """The layer kinds whose prefill the plugin runs as ours in this chunk on the H200:
-    within the table's head limits (C4A above 8 heads only in steps with short rows), and
-    above 16 heads (DP8's 64 or 128) where the table has a wide row for the kind."""
+    """The layer kinds whose prefill the plugin runs as ours in this chunk on the H200: the
+    start-up choice (the table's head limits, and above 16 heads a wide row for the kind),
+    then the step's rule (C4A above 8 heads only in steps with short rows)."""
     from dsv4_attention import policy
 
-    table, m = _h200(), cell.model
+    table, m, switches = _h200(), cell.model, policy.Switches()
+    hopper = policy.Device("NVIDIA H200", (9, 0), wgmma=True)
     seq = [cell.context] * cell.requests
     qlen = [cell.query_len] * cell.requests
     ours = []
     for kind in dict.fromkeys(m.kinds):
-        facts, switches = _kind_facts(m, kind), policy.Switches()
-        # the start-up choice's head rule (policy.prefill_choice): within the limits (with
-        # short rows) or at a wide row's head count
-        limit = policy.prefill_heads_limit(facts, table.prefill, switches, short_rows=True)
-        if facts.heads > limit and policy.wide_prefill(facts, table.prefill, switches) is None:
+        facts = _kind_facts(cell, kind)
+        if not policy.prefill_choice(facts, hopper, table, switches).ours:
             continue
         mean = policy.c4a_mean_keys(seq, qlen, 128, m.topk) if kind == "c4a" else None
         if policy.prefill_step_takes_ours(facts, table.prefill, switches, mean):
@@ -266,7 +265,7 @@ def kind_tiles(step: PrefillStep, kind: str) -> Any:
     heads; None: the kernels' defaults)."""
     from dsv4_attention import policy
 
-    return policy.prefill_tiles(_kind_facts(step.cell.model, kind), _h200(), policy.Switches())
+    return policy.prefill_tiles(_kind_facts(step.cell, kind), _h200(), policy.Switches())
 
 
 def vllm_path(

@@ -37,6 +37,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from dsv4_attention.tables import WIDE_KINDS
+
 from .. import cases_sparse_mla as cs
 
 # (block rows, rows of slots): providers of benchmarks.cases_sparse_mla
@@ -47,7 +49,6 @@ BLOCK_PAIRS = (
 BLOCKS_TOLERANCE = 1.02  # block rows' median at most 2% above the rows of slots'
 # vLLM's path per layer and chunk (the gathers, the combine, then FlashMLA)
 VLLM_PATHS = (cs.FLASHMLA_GATHER, cs.VLLM_FLASHMLA_GATHER)
-WIDE_KINDS = ("swa", "c4a", "c128a")
 
 
 def _medians(rows: list[dict[str, Any]]) -> dict[tuple[str, str], float]:

@@ -5,6 +5,10 @@ No module state and no vLLM: every function here takes what it decides from
 :class:`~dsv4_attention.tables.MeasuredTable`, :class:`Switches`) and returns a
 value, so the runtime object (``dsv4_attention.runtime``) and the tests ask the
 same questions and get the same answers.
+
+One module past 500 lines on purpose: every decision (prefill, vLLM's native-head
+prefill, decode, the indexer) and the scratch sizes they imply read the same limits and
+rows of the table, and split apart they would each import the others' rules.
 """
 
 from __future__ import annotations

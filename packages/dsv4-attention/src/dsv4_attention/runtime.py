@@ -579,9 +579,12 @@ class HeadExactRuntime:
             facts = state.facts
             assert self.table is not None
             mean = None
-            wide = policy.wide_prefill(facts, self.table.prefill, self.switches)
-            limit = policy.prefill_heads_limit(facts, self.table.prefill, self.switches)
-            if facts.topk_rows and facts.heads > limit and wide is None:
+            limits = self.table.prefill
+            if (
+                facts.topk_rows
+                and facts.heads > policy.prefill_heads_limit(facts, limits, self.switches)
+                and policy.wide_prefill(facts, limits, self.switches) is None
+            ):
                 mean = self._step_mean_keys(facts, swa_metadata)
             if not policy.prefill_step_takes_ours(facts, self.table.prefill, self.switches, mean):
                 return False

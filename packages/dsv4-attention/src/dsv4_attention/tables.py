@@ -58,7 +58,7 @@ class WidePrefill:
     tiles: Mapping[str, int]
 
 
-WIDE_KINDS = ("swa", "c4a", "c128a")
+WIDE_KINDS = tuple(LAYER_NAMES.values())  # DeepSeek-V4's kinds
 
 
 @dataclass(frozen=True)
@@ -216,6 +216,7 @@ def _wide(raw: object) -> Mapping[int, WidePrefill]:
     if raw is None:
         return MappingProxyType({})
     assert isinstance(raw, dict), "prefill.wide must be an object"
+    known = {*TILES["large"], "KERNEL", "ASYNC_PV", "WIDE_HT"}
     out = {}
     for heads, row in raw.items():
         where = f"prefill.wide[{heads!r}]"
@@ -227,7 +228,6 @@ def _wide(raw: object) -> Mapping[int, WidePrefill]:
         )
         tiles = row.get("tiles")
         assert isinstance(tiles, dict), f"{where}.tiles must be an object"
-        known = {*TILES["large"], "KERNEL", "ASYNC_PV", "WIDE_HT"}
         unknown = sorted(set(tiles) - known)
         assert not unknown, f"{where}.tiles: {unknown} not among {sorted(known)}"
         assert tiles.get("KERNEL") == 2 and tiles.get("WIDE_HT") in WIDE_BLOCK_HEADS, (

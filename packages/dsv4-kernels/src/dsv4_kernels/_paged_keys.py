@@ -19,6 +19,11 @@ The wgmma kernels' process-wide state, the device check ``_hopper_runs_wgmma`` a
 per-token kernel's build record ``_WGMMA_BROKEN`` (published by
 :func:`.sparse_mla.wgmma_available`), stays in :mod:`.sparse_mla`, where the tests of
 both packages and benchmarks/support replace it, and is read there at each call.
+
+One module past 500 lines on purpose: the key sources, their one check and the three
+launches (per token, split, wgmma) all build the kernels' arguments from the same
+``KeySource`` fields; kept together, a new source field (``req``: block rows) is added
+in one place for every kernel.
 """
 
 from __future__ import annotations

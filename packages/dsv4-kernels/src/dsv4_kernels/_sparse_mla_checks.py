@@ -58,12 +58,19 @@ def _check_rows(
         raise ValueError(f"{name} must be contiguous in its last dimension")
     if lens is None:
         return idx, None
+    return idx, _check_lens(lens_name, lens, num_tokens, device)
+
+
+def _check_lens(
+    lens_name: str, lens: object, num_tokens: int, device: torch.device
+) -> torch.Tensor:
+    """A row source's ``[T]`` int32 lengths."""
     ln = check_tensor(lens_name, lens, dtype=torch.int32, ndim=1, device=device)
     if ln.shape[0] != num_tokens:
         raise ValueError(
             f"{lens_name} must have {num_tokens} entries (one per query token), got {ln.shape[0]}"
         )
-    return idx, ln
+    return ln
 
 
 def _check_block_rows(
@@ -89,12 +96,7 @@ def _check_block_rows(
         raise ValueError(
             f"{lens_name} is needed with BlockRows (how many entries each token reads)"
         )
-    ln = check_tensor(lens_name, lens, dtype=torch.int32, ndim=1, device=device)
-    if ln.shape[0] != num_tokens:
-        raise ValueError(
-            f"{lens_name} must have {num_tokens} entries (one per query token), got {ln.shape[0]}"
-        )
-    return table, req[:num_tokens], ln
+    return table, req[:num_tokens], _check_lens(lens_name, lens, num_tokens, device)
 
 
 def _check_sink_and_outputs(

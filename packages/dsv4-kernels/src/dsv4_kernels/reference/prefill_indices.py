@@ -40,12 +40,11 @@ class BlockRows(NamedTuple):
 
     def slots(self, page_size: int, num_tokens: int) -> torch.Tensor:
         """The same rows as ``[T, P * page_size]`` int32 global slots (-1: a hole)."""
-        table = self.block_table.long()
-        pages = table[self.req[:num_tokens].long()] if table.shape[0] else table[:0]
-        pages = pages.reshape(num_tokens, -1)
-        s = torch.arange(page_size, device=table.device)
-        rows = torch.where(pages[:, :, None] >= 0, pages[:, :, None] * page_size + s, -1)
-        return rows.reshape(num_tokens, -1).to(torch.int32)
+        width = self.block_table.shape[1] * page_size
+        entry = torch.arange(width, device=self.block_table.device).expand(num_tokens, width)
+        req = self.req[:num_tokens].long()
+        live = torch.ones_like(entry, dtype=torch.bool)
+        return _slots(req, entry, live, self.block_table, page_size).to(torch.int32)
 
 
 class PrefillIndices(NamedTuple):

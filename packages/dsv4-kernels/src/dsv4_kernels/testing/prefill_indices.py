@@ -55,8 +55,10 @@ class PrefillIndexCase:
         window_lens_out: torch.Tensor | None = None,
         comp_out: torch.Tensor | None = None,
         comp_lens_out: torch.Tensor | None = None,
+        comp_blocks: bool = False,
     ) -> PrefillIndices:
-        """The rows (window and/or compressed) through :func:`build_prefill_indices`."""
+        """The rows (window and/or compressed) through :func:`build_prefill_indices`
+        (``comp_blocks``: C128A's as ``BlockRows``)."""
         comp = compressed and self.compressed
         return build_prefill_indices(
             self.query_start_loc,
@@ -73,6 +75,7 @@ class PrefillIndexCase:
             window_lens_out=window_lens_out,
             comp_out=comp_out,
             comp_lens_out=comp_lens_out,
+            comp_blocks=comp_blocks,
         )
 
 
