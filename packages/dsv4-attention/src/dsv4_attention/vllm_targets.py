@@ -199,6 +199,12 @@ RELEASES: Mapping[tuple[int, int], ReleaseFacts] = MappingProxyType(
             untouched_models=("vllm.models.deepseek_v41",),
             native_prefill_heads=(8, 16, 32),
         ),
+        (0, 34): ReleaseFacts(
+            release=(0, 34),
+            kv_cache_grouping_module="vllm.v1.core.kv_cache_planning",
+            untouched_models=("vllm.models.deepseek_v41",),
+            native_prefill_heads=(8, 16, 32),
+        ),
     }
 )
 # vLLM releases whose DSV4 code this table was read from (major, minor).

