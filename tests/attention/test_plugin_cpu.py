@@ -35,7 +35,8 @@ DEFAULT_SWITCHES = Switches()  # no switch set
         ("0.31.9", False),
         ("0.33.0", True),
         ("0.33.2+cu130", True),
-        ("0.34.0", False),
+        ("0.34.0", True),
+        ("0.35.0", False),
         ("1.32.0", False),
         ("0.320.0", False),
         ("dev", False),
@@ -74,14 +75,14 @@ def test_every_replaced_name_has_a_signature_and_consumers() -> None:
 
 def test_release_facts_are_one_table() -> None:
     """Each supported release has its facts; the text lists both; others have none."""
-    assert vllm_targets.supported_text() == "0.32.x, 0.33.x"
+    assert vllm_targets.supported_text() == "0.32.x, 0.33.x, 0.34.x"
     assert vllm_targets.facts_for("0.32.0").kv_cache_grouping_module.endswith("kv_cache_utils")  # type: ignore[union-attr]
     facts33 = vllm_targets.facts_for("0.33.0")
     assert facts33 is not None
     assert facts33.kv_cache_grouping_module.endswith("kv_cache_planning")
     for facts in vllm_targets.RELEASES.values():  # both ship V4.1 (0.32.0 already)
         assert "vllm.models.deepseek_v41" in facts.untouched_models
-    assert vllm_targets.facts_for("0.34.0") is None
+    assert vllm_targets.facts_for("0.35.0") is None
 
 
 # --- the policy, per device and measured table ----------------------------------------

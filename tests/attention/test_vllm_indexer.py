@@ -68,10 +68,15 @@ def _config(k: int) -> Any:
     )
     cache = CacheConfig(block_size=256, cache_dtype="fp8_ds_mla")
     config = VllmConfig(scheduler_config=scheduler, cache_config=cache)
+    hf_config = types.SimpleNamespace(
+        sliding_window=128, index_topk=TOPK, index_n_heads=HEADS, index_head_dim=128
+    )
     config.model_config = types.SimpleNamespace(
         architectures=["DeepseekV4ForCausalLM"],
         max_model_len=MAX_MODEL_LEN,
-        hf_config=types.SimpleNamespace(sliding_window=128, index_topk=TOPK),
+        hf_config=hf_config,
+        # a text model's text config is its config (0.34's indexer builder reads it)
+        hf_text_config=hf_config,
     )
     if getattr(config.attention_config, "sparse_mla_prefill_workspace_factor", 0) is None:
         # what vLLM's post-init resolves once a model config is set (0.33)

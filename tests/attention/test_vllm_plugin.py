@@ -549,9 +549,9 @@ def test_selector_returns_our_subclass_under_cuda() -> None:
     [
         ({"DSV4_KERNELS_DISABLE": "1"}, ""),
         ({}, "vllm.__version__ = '0.31.0'"),
-        ({}, "vllm.__version__ = '0.34.0'"),
+        ({}, "vllm.__version__ = '0.35.0'"),
     ],
-    ids=["off-switch", "version-gate-0.31", "version-gate-0.34"],
+    ids=["off-switch", "version-gate-0.31", "version-gate-0.35"],
 )
 def test_switches_and_gate_keep_vllms_class(env: dict[str, str], before: str) -> None:
     report, _ = run_script(SELECT, before=before, DSV4_KERNELS_FORCE="1", **env)
@@ -582,7 +582,7 @@ def test_path_switches_reach_the_runtime(env: dict[str, str], choice: list[bool]
     assert report["choices"] == {r: choice for r in ("1", "4", "128")}
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0"])
 def test_neighbouring_releases_stay_off_and_name_the_supported_ones(version: str) -> None:
     report, output = run_script(
         IMPORT_DSV4, before=f"vllm.__version__ = {version!r}", DSV4_KERNELS_FORCE="1"
@@ -590,7 +590,7 @@ def test_neighbouring_releases_stay_off_and_name_the_supported_ones(version: str
     _left_alone(report["import"])
     lines = plugin_lines(output)
     assert [(m.group(1), m.group(2)) for m in lines] == [("inactive", version)], output
-    assert "supported: 0.32.x, 0.33.x" in lines[0].string
+    assert "supported: 0.32.x, 0.33.x, 0.34.x" in lines[0].string
 
 
 UNTOUCHED = (

@@ -100,6 +100,13 @@ def _release() -> tuple[int, int]:
     return installed_facts().release
 
 
+def _real_heads() -> bool:
+    """Whether the installed release's V4.1 class runs its SM90 prefill at the real heads
+    (0.33 and 0.34: ``_prefill_num_heads``; 0.32 pads to 64).  The tests check vLLM's
+    layers agree."""
+    return bool(installed_facts().native_prefill_heads)
+
+
 SHIPPED = json.loads(
     resources.files("dsv4_attention").joinpath("tables/NVIDIA_H200.json").read_text()
 )
@@ -467,16 +474,16 @@ def test_facts_and_decisions_from_vllms_v41_layers(
             assert facts.comp_page_slots == (None if comp is None else comp.shape[1]), facts
             if r:
                 assert facts.comp_width == TOPK
-            if _release() == (0, 33):
+            if _real_heads():
                 # vLLM's V4.1 prefill runs at the real heads on SM90 (8, 16 and 32)
                 assert layer._prefill_num_heads == heads
                 assert facts.vllm_prefill_heads == heads and facts.vllm_native
             else:
-                assert _release() == (0, 32)
+                assert _release() == (0, 32)  # the one release that pads
                 assert not hasattr(layer, "_prefill_num_heads")
                 assert facts.vllm_prefill_heads == PADDED and not facts.vllm_native
             state = rt.kind_state(layer, q)
-            ours, reason = _expected_prefill(KINDS[r], heads, native=_release() == (0, 33))
+            ours, reason = _expected_prefill(KINDS[r], heads, native=_real_heads())
             assert state.prefill.ours == ours and reason in state.prefill.reason, state
             assert state.decode.ours == _expected_decode(KINDS[r], heads), state
             if not state.decode.ours:
@@ -546,8 +553,8 @@ def test_switches_give_vllms_v41_methods(
         swa = step.swa(layer)
         if vllm_prefill:
             call = vllm_v41.prefill[i]
-            prefill_heads = layer._prefill_num_heads if _release() == (0, 33) else PADDED
-            assert prefill_heads == (heads if _release() == (0, 33) else PADDED)
+            prefill_heads = layer._prefill_num_heads if _real_heads() else PADDED
+            assert prefill_heads == (heads if _real_heads() else PADDED)
             assert tuple(call["q"].shape) == (step.total - T, prefill_heads, 512), where
             assert call["q"].data_ptr() == q[T:].data_ptr(), where  # forward_mqa's q
             assert tuple(call["attn_sink"].shape) == (prefill_heads,), where
@@ -698,7 +705,7 @@ def test_v41_mixed_step_at_16_local_heads(
     seed = fresh_seed()
     g = generator(seed)
     heads = 16
-    native = _release() == (0, 33)
+    native = _real_heads()
     config = v41_config(heads, RATIOS4, SOURCES4)
     with plugin_v41_class(config) as cls, caplog.at_level("INFO"):
         rt: HeadExactRuntime = cls.dsv4_runtime

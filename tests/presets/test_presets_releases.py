@@ -21,12 +21,12 @@ def test_release_of_reads_versions_and_names_the_argument_on_bad_input():
         vllm_releases.release_of("dev")
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "1.0"])
 def test_unknown_releases_are_refused_naming_the_supported_ones(version):
     with pytest.raises(vllm_releases.UnsupportedVllmRelease) as info:
         vllm_releases.facts_for(version)
     assert f"vLLM {version} is not a release" in str(info.value)
-    assert "(supported: 0.32, 0.33)" in str(info.value)
+    assert "(supported: 0.32, 0.33, 0.34)" in str(info.value)
 
 
 def test_the_table_says_where_the_parser_moved():
@@ -57,14 +57,16 @@ def test_resolve_takes_text_tuples_and_facts_and_names_bad_input():
 
 def test_default_release_without_vllm_is_the_newest(monkeypatch):
     monkeypatch.setattr(vllm_releases, "installed_version", lambda: None)
-    assert vllm_releases.default_facts().name == "0.33"
+    assert vllm_releases.default_facts().name == "0.34"
     monkeypatch.setattr(vllm_releases, "installed_version", lambda: "0.32.0")
     assert vllm_releases.default_facts().name == "0.32"
-    monkeypatch.setattr(vllm_releases, "installed_version", lambda: "0.99.0")
+    monkeypatch.setattr(vllm_releases, "installed_version", lambda: "0.33.0")
     assert vllm_releases.default_facts().name == "0.33"
+    monkeypatch.setattr(vllm_releases, "installed_version", lambda: "0.99.0")
+    assert vllm_releases.default_facts().name == "0.34"
 
 
-@pytest.mark.parametrize("release", ["0.32", "0.33"])
+@pytest.mark.parametrize("release", ["0.32", "0.33", "0.34"])
 @pytest.mark.parametrize("command", ["serve", "bench"])
 def test_each_release_ships_its_own_tables(release, command):
     table = shipped_table(command, release)
@@ -112,17 +114,24 @@ def test_table_diff_finds_added_respelled_removed_and_changed():
     }
 
 
-def _guide_section() -> str:
+def _guide_section(old: str, new: str) -> str:
+    """The guide's part on what changed from release ``old`` to ``new``."""
     text = GUIDE.read_text(encoding="utf-8")
-    start = text.index("## 12. vLLM 0.32 and 0.33")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else None]
+    start = text.index("## 12. vLLM 0.32, 0.33 and 0.34")
+    start = text.index(f"### {old} -> {new}", start)
+    end = min(
+        i
+        for i in (text.find("\n### ", start + 1), text.find("\n## ", start + 1), len(text))
+        if i != -1
+    )
+    return text[start:end]
 
 
-def test_the_guide_lists_exactly_the_option_differences_between_the_releases():
-    section = _guide_section()
-    serve = table_diff(shipped_table("serve", "0.32"), shipped_table("serve", "0.33"))
-    bench = table_diff(shipped_table("bench", "0.32"), shipped_table("bench", "0.33"))
+@pytest.mark.parametrize(("old", "new"), [("0.32", "0.33"), ("0.33", "0.34")])
+def test_the_guide_lists_exactly_the_option_differences_between_the_releases(old, new):
+    section = _guide_section(old, new)
+    serve = table_diff(shipped_table("serve", old), shipped_table("serve", new))
+    bench = table_diff(shipped_table("bench", old), shipped_table("bench", new))
     assert bench == {"added": [], "spellings": [], "removed": [], "changed": []}
     listed = set(re.findall(r"`--([a-z0-9-]+)`", section))
     for name in serve["added"] + serve["removed"]:
@@ -132,9 +141,10 @@ def test_the_guide_lists_exactly_the_option_differences_between_the_releases():
     # Every --disable-x / --enable-x respelling is listed, and nothing else is invented.
     expected = set(serve["added"] + serve["removed"] + serve["spellings"])
     expected |= {entry.split(":")[0] for entry in serve["changed"]}
-    partners = {spec.negated_by for spec in shipped_table("serve", "0.33").options.values()}
+    partners = {spec.negated_by for spec in shipped_table("serve", new).options.values()}
     assert expected <= listed
-    prose = {"enable-x", "disable-x", "no-", "no-disable-prefix-caching"}  # the explanation
+    # the explanation's words, and the options a new bound applies to (their own list)
+    prose = {"enable-x", "disable-x", "no-", "no-disable-prefix-caching", "seed"}
     assert listed - expected <= partners | prose, listed - expected - partners - prose
 
 
@@ -169,5 +179,5 @@ def test_the_snapshot_tells_an_int_or_auto_option_from_a_plain_human_int():
         assert check_value(spec, text) is not None, text
     assert check_value(table.options["max-num-batched-tokens"], "auto") is not None
     # Both shipped releases' --max-model-len is such an option.
-    for release in ("0.32", "0.33"):
+    for release in ("0.32", "0.33", "0.34"):
         assert shipped_table("serve", release).options["max-model-len"].type == spec.type

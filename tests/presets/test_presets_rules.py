@@ -340,7 +340,7 @@ def _fake_vllm(monkeypatch, version):
     return v
 
 
-@pytest.mark.parametrize("version", ["0.20.1", "0.31.9", "0.34.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.20.1", "0.31.9", "0.35.0", "1.0.0"])
 def test_validate_refuses_a_vllm_release_it_does_not_know(monkeypatch, version):
     from dsv4_presets.vllm_releases import supported
 
@@ -349,11 +349,11 @@ def test_validate_refuses_a_vllm_release_it_does_not_know(monkeypatch, version):
     assert [f.rule for f in report.errors] == ["vllm-release"]
     assert f"vLLM {version} is not a release" in report.errors[0].message
     assert f"(supported: {supported()})" in report.errors[0].message
-    assert supported() == "0.32, 0.33"
+    assert supported() == "0.32, 0.33, 0.34"
     assert report.vllm_version is None  # its checks did not run
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.33.2rc1+cu130"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0", "0.33.2rc1+cu130", "0.34.0"])
 def test_validate_on_a_supported_release_names_it(monkeypatch, version):
     v = _fake_vllm(monkeypatch, version)
     report = v.check(serve("h200-tp8-ep"), with_vllm=True)
@@ -362,19 +362,52 @@ def test_validate_on_a_supported_release_names_it(monkeypatch, version):
 
 
 def test_int_minimums_name_integer_options_of_every_supported_release():
-    """Each bounded option exists, as an integer option, in every shipped option table."""
-    from dsv4_presets.schema import INT_MINIMUMS, INT_SPECIAL_VALUES, INT_TYPES, shipped_table
+    """Each bounded option exists, as an integer option, in every shipped option table
+    from the release that bounds it on."""
+    from dsv4_presets.schema import (
+        INT_MINIMUMS,
+        INT_MINIMUMS_SINCE,
+        INT_SPECIAL_VALUES,
+        INT_TYPES,
+        int_minimums,
+        shipped_table,
+    )
     from dsv4_presets.vllm_releases import RELEASES
 
     for command, minimums in INT_MINIMUMS.items():
         for release in RELEASES:
             table = shipped_table(command, release)
-            for name in minimums:
+            bounded = int_minimums(command, release)
+            assert set(minimums) <= set(bounded)
+            for name in bounded:
                 spec = table.get(name)
                 assert spec is not None, (command, release, name)
                 assert spec.type in INT_TYPES, (command, release, name)
         for name, specials in INT_SPECIAL_VALUES[command].items():
             assert all(value < minimums[name] for value in specials), name
+        # a later bound is later: the oldest supported release does not have it
+        oldest = min(RELEASES)
+        for name, (first, _) in INT_MINIMUMS_SINCE[command].items():
+            assert first > oldest and name not in int_minimums(command, oldest), name
+
+
+def test_a_bound_applies_from_the_release_that_declares_it():
+    """vLLM 0.34 bounds ``--seed`` at 0; 0.32 and 0.33 take any integer seed."""
+    from dsv4_presets.schema import check_minimum
+
+    assert check_minimum("serve", "seed", -7, (0, 33)) is None
+    assert check_minimum("serve", "seed", -7, (0, 34)) == "expected an integer >= 0, got -7"
+    assert check_minimum("serve", "seed", 7, (0, 34)) is None
+    assert check_minimum("serve", "max-num-inflight-kv-loads", 0, (0, 34)) is not None
+    # the rules check a preset against the option table of the release it is checked for
+    from dsv4_presets.rules import check_options
+    from dsv4_presets.schema import shipped_table
+
+    for release in ("0.32", "0.33", "0.34"):
+        found = check_options({"seed": -7}, shipped_table("serve", release), "vllm serve")
+        assert [f.message for f in found] == (
+            ["seed: expected an integer >= 0, got -7"] if release == "0.34" else []
+        ), release
 
 
 def test_check_minimum_reads_values_as_vllm_does():

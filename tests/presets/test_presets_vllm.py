@@ -177,6 +177,7 @@ BROKEN = [
 BAD_KV_DTYPE = {
     "0.32": ("vllm-parser", "vllm serve: error: argument --kv-cache-dtype: invalid choice: 'fp9'"),
     "0.33": ("vllm-cache-config", "Invalid kv_cache_dtype: 'fp9'"),
+    "0.34": ("vllm-cache-config", "Invalid kv_cache_dtype: 'fp9'"),
 }
 
 
@@ -449,14 +450,16 @@ def test_dsv4_validate_says_which_release_it_checked_against(capsys, release):
 
 
 def test_an_unsupported_installed_release_is_refused_naming_the_supported_ones(monkeypatch):
-    monkeypatch.setattr(vllm_check, "vllm_version", lambda: "0.34.0")
+    monkeypatch.setattr(vllm_check, "vllm_version", lambda: "0.35.0")
     report = check(resolve_serve("h200-tp8-ep"), with_vllm=True)
     assert [f.rule for f in report.errors] == ["vllm-release"]
     message = report.errors[0].message
-    assert "vLLM 0.34.0 is not a release" in message
+    assert "vLLM 0.35.0 is not a release" in message
     assert f"supported: {vllm_releases.supported()}" in message
     assert report.vllm_version is None  # none of its checks ran
-    with pytest.raises(vllm_releases.UnsupportedVllmRelease, match=r"supported: 0\.32, 0\.33"):
+    with pytest.raises(
+        vllm_releases.UnsupportedVllmRelease, match=r"supported: 0\.32, 0\.33, 0\.34"
+    ):
         vllm_check.facts()
 
 
@@ -570,11 +573,11 @@ def _vllm_lower_bounds(parser: argparse.ArgumentParser) -> dict[str, int]:
 
 def test_int_minimums_are_the_bounds_vllms_config_classes_declare(serve_parser):
     """INT_MINIMUMS (the offline check) holds exactly vLLM's bounds, for every bounded option."""
-    from dsv4_presets.schema import INT_MINIMUMS, INT_SPECIAL_VALUES
+    from dsv4_presets.schema import INT_SPECIAL_VALUES, int_minimums
 
     ours = {
         name: min([minimum, *INT_SPECIAL_VALUES["serve"].get(name, {})])
-        for name, minimum in INT_MINIMUMS["serve"].items()
+        for name, minimum in int_minimums("serve", vllm_check.facts().release).items()
     }
     theirs = _vllm_lower_bounds(serve_parser)
     assert len(theirs) > 20  # the probe found vLLM's bounds at all

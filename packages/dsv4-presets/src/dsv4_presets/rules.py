@@ -39,6 +39,7 @@ from dsv4_presets.schema import (
     human_int,
     shipped_table,
 )
+from dsv4_presets.vllm_releases import release_of
 
 # kv-cache-dtype values that select DSV4's UE8M0 FP8 page layout ("fp8" is
 # vLLM's alias for fp8_ds_mla on DSV4's FlashMLA sparse backend).
@@ -65,6 +66,14 @@ DSPARK_TOKENS = (3, 7)
 # --------------------------------------------------------------------------- #
 
 
+def _table_release(table: OptionTable) -> tuple[int, int] | None:
+    """The release an option table was written from (None: not a release's table)."""
+    try:
+        return release_of(table.vllm_version)
+    except ValueError:
+        return None
+
+
 def check_options(args: dict[str, Any], table: OptionTable, what: str) -> list[Finding]:
     """Unknown option names, and values of the wrong type, outside the choices or below
     the smallest value vLLM accepts (:data:`~dsv4_presets.schema.INT_MINIMUMS`)."""
@@ -82,7 +91,9 @@ def check_options(args: dict[str, Any], table: OptionTable, what: str) -> list[F
                 )
             )
             continue
-        problem = check_value(spec, value) or check_minimum(table.command, key, value)
+        problem = check_value(spec, value) or check_minimum(
+            table.command, key, value, _table_release(table)
+        )
         if problem:
             findings.append(Finding("error", "bad-value", f"{key}: {problem}"))
     return findings

@@ -445,6 +445,33 @@ INT_MINIMUMS: dict[str, dict[str, int]] = {
     },
 }
 
+# Bounds a release added after the oldest supported one: option -> (the first release
+# that declares it, its minimum).  Before that release the option is unbounded (``seed``:
+# any integer) or absent (an unknown option, reported as such).
+INT_MINIMUMS_SINCE: dict[str, dict[str, tuple[tuple[int, int], int]]] = {
+    "serve": {
+        # ModelConfig: ge=0 (and le=2**32 - 1) from 0.34; 0.32 and 0.33 take any integer.
+        "seed": ((0, 34), 0),
+        # New in 0.34 (SchedulerConfig): a window of 0 turns cache-aware admission off;
+        # an in-flight KV-load cap is at least one load.
+        "cache-aware-admission-window": ((0, 34), 0),
+        "max-num-inflight-kv-loads": ((0, 34), 1),
+    },
+    "bench": {},
+}
+
+
+def int_minimums(command: str, release: tuple[int, int] | None = None) -> dict[str, int]:
+    """The smallest value vLLM ``release`` accepts for each bounded integer option of
+    ``command`` (None: only the bounds every supported release has)."""
+    since = {
+        name: minimum
+        for name, (first, minimum) in INT_MINIMUMS_SINCE.get(command, {}).items()
+        if release is not None and release >= first
+    }
+    return {**INT_MINIMUMS.get(command, {}), **since}
+
+
 # Values below an option's minimum that vLLM reads as a setting of their own.
 INT_SPECIAL_VALUES: dict[str, dict[str, dict[int, str]]] = {
     "serve": {
@@ -454,14 +481,18 @@ INT_SPECIAL_VALUES: dict[str, dict[str, dict[int, str]]] = {
 }
 
 
-def check_minimum(command: str, name: str, value: object) -> str | None:
-    """``None`` unless integer option ``name`` of ``command`` is below what vLLM accepts.
+def check_minimum(
+    command: str, name: str, value: object, release: tuple[int, int] | None = None
+) -> str | None:
+    """``None`` unless integer option ``name`` of ``command`` is below what vLLM
+    ``release`` accepts (None: what every supported release accepts).
 
-    Only options in :data:`INT_MINIMUMS` are checked, and only values that
+    Only options in :data:`INT_MINIMUMS` (and, from their release on,
+    :data:`INT_MINIMUMS_SINCE`) are checked, and only values that
     :func:`check_value` already took as integers (``16k`` included): the type
     error comes first.
     """
-    minimum = INT_MINIMUMS.get(command, {}).get(name.replace("_", "-"))
+    minimum = int_minimums(command, release).get(name.replace("_", "-"))
     if minimum is None:
         return None
     special = INT_SPECIAL_VALUES.get(command, {}).get(name.replace("_", "-"), {})
