@@ -618,3 +618,16 @@ def test_a_table_row_names_the_kernels_it_was_measured_with(
         rt.prepare(_layer(heads, 4), torch.zeros((1, heads, 512), dtype=torch.bfloat16))
         assert rt.kinds[(4, heads)].decode.ours
     assert policies == [(128, {"WIDE_HT": 64}), (64, None)]
+
+
+def test_the_vllm_extra_installs_exactly_the_supported_releases() -> None:
+    """``pip install "./packages/dsv4-attention[vllm]"`` takes a release the plugin knows."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "packages/dsv4-attention/pyproject.toml").read_text())
+    oldest, newest = min(vllm_targets.RELEASES), max(vllm_targets.RELEASES)
+    assert project["project"]["optional-dependencies"]["vllm"] == [
+        f"vllm>={oldest[0]}.{oldest[1]},<{newest[0]}.{newest[1] + 1}"
+    ]

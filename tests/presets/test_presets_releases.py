@@ -181,3 +181,15 @@ def test_the_snapshot_tells_an_int_or_auto_option_from_a_plain_human_int():
     # Both shipped releases' --max-model-len is such an option.
     for release in ("0.32", "0.33", "0.34"):
         assert shipped_table("serve", release).options["max-model-len"].type == spec.type
+
+
+def test_the_vllm_extra_installs_exactly_the_supported_releases():
+    """``pip install "./packages/dsv4-presets[vllm]"`` takes a release the table has."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "packages/dsv4-presets/pyproject.toml").read_text())
+    oldest, newest = min(vllm_releases.RELEASES), max(vllm_releases.RELEASES)
+    assert project["project"]["optional-dependencies"]["vllm"] == [
+        f"vllm>={oldest[0]}.{oldest[1]},<{newest[0]}.{newest[1] + 1}"
+    ]
