@@ -622,8 +622,9 @@ def test_a_table_row_names_the_kernels_it_was_measured_with(
 
 def test_the_vllm_extra_installs_exactly_the_supported_releases() -> None:
     """``pip install "./packages/dsv4-attention[vllm]"`` takes a release the plugin knows."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     root = Path(__file__).resolve().parents[2]
     project = tomllib.loads((root / "packages/dsv4-attention/pyproject.toml").read_text())
