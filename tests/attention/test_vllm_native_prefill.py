@@ -195,13 +195,14 @@ def _close(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
 
 
 @pytest.mark.parametrize("native_heads", [None, [32]], ids=["shipped-table", "table-lists-32"])
-def test_only_0_33_on_with_a_listed_head_count_installs_the_wrapper(
+def test_only_0_33_and_later_with_a_listed_head_count_install_the_wrapper(
     native_heads: list[int] | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The release facts: 0.33's bundled FlashMLA runs 8, 16 or 32 heads, 0.32's none.
+    """The release facts: 0.33's and 0.34's bundled FlashMLA runs 8, 16 or 32 heads,
+    0.32's none.
     With the plugin's own ``_native_prefill`` (not forced: vLLM's platform reports a
     CUDA H200 and its FlashMLA reports sparse support), activation wraps vLLM's V4
-    ``flash_mla_sparse_fwd`` only on 0.33 and only where the table lists a head count
+    ``flash_mla_sparse_fwd`` only from 0.33 on and only where the table lists a head count
     (the shipped one lists none); otherwise the function stays as it was."""
     import vllm.platforms
     import vllm.v1.attention.ops.flashmla as ops

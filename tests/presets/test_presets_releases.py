@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 
 from dsv4_presets import vllm_releases
-from dsv4_presets.schema import OptionSpec, OptionTable, render_option, shipped_table, table_diff
+from dsv4_presets.schema import (
+    INT_MINIMUMS_SINCE,
+    OptionSpec,
+    OptionTable,
+    render_option,
+    shipped_table,
+    table_diff,
+)
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "serving-guide.md"
 
@@ -143,9 +150,17 @@ def test_the_guide_lists_exactly_the_option_differences_between_the_releases(old
     expected |= {entry.split(":")[0] for entry in serve["changed"]}
     partners = {spec.negated_by for spec in shipped_table("serve", new).options.values()}
     assert expected <= listed
-    # the explanation's words, and the options a new bound applies to (their own list)
-    prose = {"enable-x", "disable-x", "no-", "no-disable-prefix-caching", "seed"}
-    assert listed - expected <= partners | prose, listed - expected - partners - prose
+    # Options whose lower bound this release added (INT_MINIMUMS_SINCE) have their own list.
+    bounded = {
+        name
+        for name, (first, _) in INT_MINIMUMS_SINCE["serve"].items()
+        if first == vllm_releases.release_of(new)
+    }
+    assert bounded <= listed
+    prose = {"enable-x", "disable-x", "no-", "no-disable-prefix-caching"}  # the explanation
+    assert listed - expected <= partners | prose | bounded, (
+        listed - expected - partners - prose - bounded
+    )
 
 
 def test_the_snapshot_tells_an_int_or_auto_option_from_a_plain_human_int():
