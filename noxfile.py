@@ -100,13 +100,23 @@ XDIST = ["pytest-xdist==3.8.0"]
 PARALLEL = ["-n", "auto", "--dist", "loadfile"]
 
 # Downloads from PyPI break off at times: a CI run lost a 286 MB wheel (Triton) after
-# pip's own five resumed attempts, in a few seconds, and the next session's did too.
+# pip's own five resumed attempts, in a few seconds (the session before it failed in
+# the same install step).
 # pip resumes a broken download more often (PIP_RESUME_RETRIES; a pip that predates the
 # option ignores the variable), and every install is tried again after a pause that
 # outlasts such a break.  DSV4_INSTALL_ATTEMPTS=1 fails at once (a mistyped requirement
 # otherwise costs the pauses).
 os.environ.setdefault("PIP_RESUME_RETRIES", "20")
-INSTALL_ATTEMPTS = max(1, int(os.environ.get("DSV4_INSTALL_ATTEMPTS", "4")))
+
+
+def _attempts(text: str) -> int:
+    """DSV4_INSTALL_ATTEMPTS as a count of at least 1, or an error that names it."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise SystemExit(f"DSV4_INSTALL_ATTEMPTS must be a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+INSTALL_ATTEMPTS = _attempts(os.environ.get("DSV4_INSTALL_ATTEMPTS", "4"))
 INSTALL_PAUSES_S = (30, 120, 300)
 
 
